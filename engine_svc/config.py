@@ -1,0 +1,79 @@
+"""Engine configuration: frozen dataclasses built once, from the offline API or CLI flags.
+
+Facts found at run time (the number of KV blocks) live in ``KVCacheLayout``, never written back
+into these.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
+from engine_svc.core.scheduler import SchedulerConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """'512MiB', '2G', '1.5GB' or a plain byte count -> bytes (binary units throughout)."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"cannot parse memory size {value!r} (try '512MiB' or '4GiB')")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit if unit != "B" else ""])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    served_model_name: str | None = None
+    seed: int = 0
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: the device default
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # exact block count; overrides the memory budget
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What the model runner found it could allocate."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size

@@ -1,0 +1,157 @@
+"""EngineCore: owns the scheduler, the KV cache manager and the model runner; ``step()`` is the
+whole engine: schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from engine_svc.config import EngineConfig
+from engine_svc.core.kv_cache_manager import KVCacheManager
+from engine_svc.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine_svc.core.request import FinishReason, Request
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.scheduler import Scheduler
+from engine_svc.models.loader import read_hf_config
+from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model, found at load time."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    block_size: int
+    num_kv_blocks: int
+    max_logprobs: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        hf = read_hf_config(config.model.model)
+        max_len = int(hf.get("max_position_embeddings", 2048))
+        if config.model.max_model_len is not None:
+            if config.model.max_model_len > max_len:
+                raise ValueError(
+                    f"max_model_len {config.model.max_model_len} exceeds the model's "
+                    f"max_position_embeddings {max_len}"
+                )
+            max_len = config.model.max_model_len
+        self.runner = ModelRunner(config, max_len)
+        layout = self.runner.layout
+        self.kv = KVCacheManager(
+            layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching
+        )
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.info = ModelInfo(
+            name=config.model.served_model_name or Path(config.model.model).name,
+            max_model_len=max_len,
+            vocab_size=self.runner.spec.vocab_size,
+            eos_token_ids=_eos_ids(config.model.model, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            block_size=layout.block_size,
+            num_kv_blocks=layout.num_blocks,
+            max_logprobs=config.model.max_logprobs,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request. Raises ``ValueError`` naming the problem."""
+        info = self.info
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains ids outside the vocabulary [0, {info.vocab_size}): "
+                f"{bad[:5]}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > info.max_logprobs:
+                raise ValueError(f"{name} must be at most {info.max_logprobs}, got {value}")
+        remaining = info.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(remaining, 1))
+        request = Request(
+            request_id, prompt_token_ids, params, info.eos_token_ids, arrival_time, priority
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self) -> EngineCoreOutputs:
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled)
+        self._keep_prompt_logprobs(result)
+        touched = self.scheduler.update_from_output(scheduled, result.sampled)
+        outputs = [self._output_of(r, result) for r in touched]
+        return EngineCoreOutputs(outputs, self.scheduler.stats())
+
+    def _keep_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
+        # Chunks of a long prompt arrive over several steps; they are sent with the first token.
+        for rid, entries in result.prompt_logprobs.items():
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                request.prompt_logprobs.extend(entries)
+
+    def _output_of(self, request: Request, result: ModelRunnerOutput) -> EngineCoreOutput:
+        rid = request.request_id
+        out = EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=[result.sampled[rid]],
+            new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
+            out.prompt_logprobs = request.prompt_logprobs
+        return out
+
+    def run_until_idle(self, deadline_s: float = float("inf")) -> list[EngineCoreOutputs]:
+        """Step until no request is left (offline use and tests)."""
+        end = time.monotonic() + deadline_s
+        steps = []
+        while self.has_unfinished_requests() and time.monotonic() < end:
+            steps.append(self.step())
+        return steps
+
+
+def _eos_ids(model_dir: str, hf: dict) -> tuple[int, ...]:  # type: ignore[type-arg]
+    """EOS ids from generation_config.json (which may list several), else config.json."""
+    value = hf.get("eos_token_id")
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        value = json.loads(gen_path.read_text()).get("eos_token_id", value)
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+__all__ = ["EngineCore", "FinishReason", "ModelInfo"]

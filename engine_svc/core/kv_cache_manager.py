@@ -1,0 +1,142 @@
+"""The KV cache manager: three verbs over a ``BlockPool``.
+
+    get_computed_blocks(request)  -> blocks of the longest cached prefix, and its token count
+    allocate_slots(request, n, …) -> new blocks so n more tokens fit, or None when full
+    free(request)                 -> give every block of the request back
+
+Block ownership lives here (request id -> block list), never on the request itself.
+
+    request tokens:  [t0 .. t15][t16 .. t31][t32 .. t40]
+    block list:      [   b7    ][   b2     ][   b9     ]      block_size = 16
+    slot of token i: block_list[i // 16] * 16 + i % 16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_svc.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from engine_svc.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found in the cache
+
+    def reset(self) -> PrefixCacheStats:
+        snapshot = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
+        return snapshot
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Chained hashes of each request's full blocks, kept so decode only hashes new blocks.
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of every full block of the request's tokens, computed incrementally."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of the request's leading full blocks already in the prefix cache.
+
+        At least one token is always left to compute, so the model produces logits for the
+        next token even when the whole prompt is cached.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``computed_blocks`` (from ``get_computed_blocks``, first allocation only) are shared, not
+        copied. Returns the newly allocated blocks, or None — changing nothing — when the pool
+        cannot supply them. Full blocks are published to the prefix cache as they fill.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + (
+            len(computed_blocks) * self.block_size if not blocks else 0
+        )
+        total_tokens = num_computed + num_new_tokens
+        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        # Cached blocks with no other user sit in the free queue: taking them costs free slots.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed + num_revived > self.pool.num_free_blocks:
+            return None
+
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Publish blocks that are full once this step's tokens are written. Their tokens are
+            # known now (prompt, or sampled earlier), so the hash can be computed already.
+            hashes = self._block_hashes(request)
+            num_full = min(total_tokens // self.block_size, len(hashes))
+            for i in range(num_full):
+                self.pool.cache(blocks[i], hashes[i])
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Return every block of the request. Last blocks first, so shared prefixes outlive tails."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_hashes.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

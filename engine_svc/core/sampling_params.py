@@ -1,0 +1,99 @@
+"""Sampling parameters: what a request asks of the sampler and of the stop checks.
+
+Plain Python, validated once at construction; invalid values raise ``ValueError`` naming the
+parameter, so both the offline API and the gRPC layer can turn them into clear errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters (the vLLM shape, minus text-level fields).
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 means all tokens. ``logprobs`` is the
+    number of top alternatives returned beside the sampled token (None: no logprobs);
+    ``prompt_logprobs`` likewise for every prompt token.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.verify()
+
+    def verify(self, max_n: int = 128) -> None:
+        """Raise ``ValueError`` naming the first invalid parameter."""
+        _check(isinstance(self.n, int) and 1 <= self.n <= max_n, "n", f"must be in [1, {max_n}]", self.n)
+        if self.max_tokens is not None:
+            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be at least 1", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be at least 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must not exceed max_tokens={self.max_tokens}", self.min_tokens)
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be non-negative", self.temperature)
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be 0, -1 (disabled) or positive", self.top_k)
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        if self.seed is not None:
+            _check(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", "must be a 64-bit integer", self.seed)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids", self.stop_token_ids)
+        _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    _is_int(value) and 0 <= value <= self.max_logprobs,
+                    name,
+                    f"must be in [0, {self.max_logprobs}] (the server's max_logprobs)",
+                    value,
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")

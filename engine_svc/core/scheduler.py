@@ -1,0 +1,302 @@
+"""The scheduler: one token budget per step, continuous batching, chunked prefill, preemption.
+
+Each step walks running requests first, then waiting ones, giving each
+``min(num_tokens - num_computed_tokens, budget left)`` tokens. There is no prefill or decode
+phase: a long prompt simply takes several steps (chunked prefill), a decode takes one token.
+When the KV pool cannot hold a running request's next tokens, the lowest-priority running
+request (newest, under FCFS) is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine_svc.core.kv_cache_manager import KVCacheManager
+from engine_svc.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: the only thing the model runner is handed."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class _WaitingQueue:
+    """FCFS deque, or a (priority, arrival) heap under the priority policy."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple[int, float], int, Request]] = []
+        self._tie = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, (request.sort_key(), next(self._tie), request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][2] if self.by_priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2] if self.by_priority else self._fifo.popleft()
+
+    def remove(self, doomed: set[Request]) -> None:
+        if self.by_priority:
+            self._heap = [e for e in self._heap if e[2] not in doomed]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo = deque(r for r in self._fifo if r not in doomed)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter([e[2] for e in self._heap] if self.by_priority else self._fifo)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = _WaitingQueue(config.policy == "priority")
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; the model's context length is "
+                f"{self.config.max_model_len} and at least one token must be generated"
+            )
+        needed = -(-request.num_tokens // self.kv.block_size)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt needs {needed} KV blocks but the cache only has {self.kv.num_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort waiting or running requests; unknown or finished ids are ignored."""
+        doomed = [self.requests[r] for r in request_ids if r in self.requests]
+        if not doomed:
+            return []
+        doomed_set = set(doomed)
+        self.running = [r for r in self.running if r not in doomed_set]
+        self.waiting.remove(doomed_set)
+        for request in doomed:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return doomed
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and free its blocks; the caller has removed it from the queues."""
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        # 1) Running requests, oldest first. Preempt from the other end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # everything computed; waits for its sampled token
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim_index < i:  # already scheduled this step (priority policy): undo it
+                    undone = next(s for s in scheduled if s.request is victim)
+                    scheduled.remove(undone)
+                    budget += undone.num_tokens
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new, []))
+                budget -= num_new
+                i += 1
+                continue
+            # ``request`` itself was preempted; everything after it already was too.
+            i = len(self.running)
+
+        # 2) Waiting requests, when nothing had to be preempted this step.
+        while (
+            not preempted
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks: list = []
+            num_computed = request.num_computed_tokens
+            if num_computed == 0:
+                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, []))
+            budget -= num_new
+
+        for s in scheduled:
+            s.block_ids = self.kv.get_block_ids(s.request.request_id)
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=[r.request_id for r in preempted],
+            finished_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.add(request, front=True)
+
+    # ------------------------------------------------------------------ after the forward pass
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counters, append sampled tokens, stop finished requests.
+
+        ``sampled`` maps request id -> token for requests whose step reached the end of their
+        known tokens (a partial prefill chunk samples nothing). Returns requests that got a
+        token or finished this step, in schedule order.
+        """
+        touched: list[Request] = []
+        for s in output.scheduled:
+            request = s.request
+            if request.is_finished or request.status is RequestStatus.PREEMPTED:
+                continue  # aborted between schedule and update, or preempted by a later one
+            request.num_computed_tokens += s.num_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self.finish(request, status)
+            touched.append(request)
+        return touched
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        prefix = self.kv.stats.reset()
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions,
+        )
+        self._num_preemptions = 0
+        return stats

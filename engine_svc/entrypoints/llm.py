@@ -1,0 +1,230 @@
+"""The offline API in the shape vLLM users know::
+
+    from engine_svc import LLM, SamplingParams
+    llm = LLM(model="/path/to/hf-checkpoint")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
+from engine_svc.core.engine_core import EngineCore
+from engine_svc.core.request import Logprobs
+from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
+from engine_svc.core.scheduler import SchedulerConfig
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | None = None
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[Logprobs | None] | None = None
+    num_cached_tokens: int = 0
+    finished: bool = True
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The checkpoint's tokenizer through transformers, or None when the directory has none."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLM:
+    """Runs the engine in this process and generates for a batch of prompts."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        scheduling_policy: str = "fcfs",
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        device: str = "auto",
+        seed: int = 0,
+        served_model_name: str | None = None,
+    ) -> None:
+        if model is None:
+            from engine_svc.default_model import ensure_default_model
+
+            model = ensure_default_model()
+        self.model_dir = str(model)
+        config = EngineConfig(
+            model=ModelConfig(
+                model=self.model_dir,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                served_model_name=served_model_name,
+                seed=seed,
+                max_logprobs=max_logprobs,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_kv_blocks=num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len or max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
+            ),
+            device=device,
+        )
+        self.engine = EngineCore(config)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any | None:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
+        ``SamplingParams`` for all prompts or a list with one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(
+                f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+            )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, int]] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                text, token_ids = self._tokenize(prompt)
+                rid = str(next(self._ids))
+                ro = RequestOutput(rid, text, token_ids, [])
+                results.append(ro)
+                for k in range(params.n):
+                    child = params if params.n == 1 else replace(
+                        params, n=1, seed=None if params.seed is None else params.seed + k
+                    )
+                    cid = rid if params.n == 1 else f"{rid}-{k}"
+                    ro.outputs.append(CompletionOutput(k, "", [], None))
+                    children[cid] = (ro, k)
+                    self.engine.add_request(
+                        cid, token_ids, child, priority=0 if priority is None else priority[i]
+                    )
+            self._run(children, params_list, use_tqdm, len(prompts))
+        except BaseException:
+            self.engine.abort_requests(list(children))
+            raise
+        for ro in results:
+            for co in ro.outputs:
+                co.text = self._decode(co.token_ids)
+        return results
+
+    def _run(
+        self,
+        children: dict[str, tuple[RequestOutput, int]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        num_prompts: int,
+    ) -> None:
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=num_prompts, desc="Processed prompts", dynamic_ncols=True)
+        remaining = {id(ro): len(ro.outputs) for ro, _ in children.values()}
+        start, out_tokens = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for o in self.engine.step().outputs:
+                ro, k = children[o.request_id]
+                co = ro.outputs[k]
+                co.token_ids.extend(o.new_token_ids)
+                out_tokens += len(o.new_token_ids)
+                if o.new_logprobs:
+                    co.logprobs = (co.logprobs or []) + o.new_logprobs
+                    co.cumulative_logprob = (co.cumulative_logprob or 0.0) + sum(
+                        lp.logprob for lp in o.new_logprobs
+                    )
+                if o.prompt_logprobs is not None:
+                    ro.prompt_logprobs = o.prompt_logprobs
+                ro.num_cached_tokens = o.num_cached_tokens
+                if o.finished:
+                    co.finish_reason = str(o.finish_reason)
+                    co.stop_reason = o.stop_reason
+                    remaining[id(ro)] -= 1
+                    if remaining[id(ro)] == 0 and pbar is not None:
+                        pbar.update(1)
+            if pbar is not None:
+                elapsed = time.perf_counter() - start
+                pbar.set_postfix_str(f"output: {out_tokens / max(elapsed, 1e-9):.1f} tok/s")
+        if pbar is not None:
+            pbar.close()
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"the model at {self.model_dir} has no tokenizer; pass "
+                    "{'prompt_token_ids': [...]} instead of text"
+                )
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}")
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))

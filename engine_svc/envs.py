@@ -1,0 +1,15 @@
+"""Every environment variable the engine reads, in one place, all under the TANDEM_ prefix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where the embedded default model is built (TANDEM_CACHE_DIR, default ~/.cache/tandem)."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def log_level() -> str:
+    return os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()

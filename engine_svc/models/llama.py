@@ -1,0 +1,240 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3) over the paged KV cache.
+
+The three architectures differ only in small switches read from the Hugging Face config:
+
+    Llama   optional attention/mlp bias, Llama-3 rope scaling, optional tied embeddings
+    Qwen2   bias on q/k/v projections
+    Qwen3   RMSNorm on each head of q and k before rotary (q_norm / k_norm)
+
+q/k/v and gate/up projections are fused into one matmul each; the loader splits checkpoint
+tensors into the fused weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_svc.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from kernels.attention_metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The architecture facts the model needs, read once from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict[str, Any]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], arch: str) -> DecoderSpec:
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        if not rope:
+            rope = dict(cfg.get("rope_scaling") or {})
+            rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+        if cfg.get("use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch == "LlamaForCausalLM" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_positions: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
+        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv, meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_positions: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, max_positions)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2ForCausalLM and Qwen3ForCausalLM (see the module docstring)."""
+
+    # checkpoint name fragment -> (fused parameter fragment, shard index)
+    _FUSED = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, spec: DecoderSpec, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, max_positions) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per scheduled token."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            shard = None
+            for frag, (fused, index) in self._FUSED.items():
+                if frag in name:
+                    name, shard = name.replace(frag, fused), index
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            param = params[name]
+            with torch.no_grad():
+                if shard is None:
+                    _copy(param, tensor, name)
+                else:
+                    _copy(_shard_view(param, name, shard, self.spec), tensor, f"{name}[{shard}]")
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        missing = [n for n in self._expected_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+
+    def _expected_names(self) -> list[str]:
+        names = []
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                names += [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}#{i}" for i in range(2)]
+            else:
+                names.append(name)
+        return names
+
+
+def _shard_view(param: torch.Tensor, name: str, shard: int, spec: DecoderSpec) -> torch.Tensor:
+    if ".qkv_proj." in name:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [spec.intermediate_size, spec.intermediate_size]
+    start = sum(sizes[:shard])
+    return param.narrow(0, start, sizes[shard])
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch for {name}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}")
+    dst.copy_(src)

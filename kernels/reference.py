@@ -1,0 +1,119 @@
+"""Pure-torch reference kernels: the CPU path, and the ground truth the CUDA kernels are tested against.
+
+Paged KV cache layout, one pair of tensors per layer::
+
+    key_cache[num_blocks, block_size, num_kv_heads, head_dim]     (value_cache the same)
+
+    token at position p of a request with block table bt lives in
+        slot = bt[p // block_size] * block_size + p % block_size
+        key_cache.view(-1, num_kv_heads, head_dim)[slot]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Scatter this step's K/V into their slots."""
+    kc = key_cache.view(-1, *key_cache.shape[2:])
+    vc = value_cache.view(-1, *value_cache.shape[2:])
+    kc.index_copy_(0, slot_mapping, key.to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, value.to(vc.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every scheduled query token over its request's cached context.
+
+    Requests with one query token (decodes) are done together as one batched gather; requests
+    with several (prefill chunks, possibly after a cached prefix) one at a time.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    out = torch.empty_like(query)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode_attention(
+            query[: meta.num_decodes], key_cache, value_cache, meta, scale
+        )
+    for row in range(meta.num_decodes, meta.num_reqs):
+        q_start, q_end = meta.query_start_loc_cpu[row], meta.query_start_loc_cpu[row + 1]
+        seq_len = meta.seq_lens_cpu[row]
+        out[q_start:q_end] = _prefill_attention(
+            query[q_start:q_end], key_cache, value_cache, meta.block_tables[row], seq_len, scale
+        )
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., nb] block ids -> [..., nb * block_size, num_kv_heads, head_dim]."""
+    g = cache[block_ids]
+    return g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [B, H, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    b, h, d = query.shape
+    block_size = key_cache.shape[1]
+    nb = -(-meta.max_decode_seq_len // block_size)
+    tables = meta.block_tables[:b, :nb]
+    k = _gather(key_cache, tables)  # [B, L, Hkv, D]
+    v = _gather(value_cache, tables)
+    hkv = k.shape[2]
+    q = query.view(b, hkv, h // hkv, d)  # heads grouped by the KV head they share
+    scores = torch.einsum("bkgd,blkd->bkgl", q.float(), k.float()) * scale
+    length = torch.arange(k.shape[1], device=query.device)
+    invalid = length[None, :] >= meta.seq_lens[:b, None]  # [B, L]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    return out.reshape(b, h, d).to(query.dtype)
+
+
+def _prefill_attention(
+    query: torch.Tensor,  # [q_len, H, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    q_len, h, _ = query.shape
+    block_size = key_cache.shape[1]
+    nb = -(-seq_len // block_size)
+    k = _gather(key_cache, block_table[:nb])[:seq_len]  # [S, Hkv, D]
+    v = _gather(value_cache, block_table[:nb])[:seq_len]
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+    k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+    v = v.transpose(0, 1).unsqueeze(0)
+    if q_len == seq_len:
+        mask = None
+        causal = True
+    else:
+        # Query i sits at absolute position seq_len - q_len + i and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=h != k.shape[1]
+    )
+    return out.squeeze(0).transpose(0, 1)
