@@ -10,7 +10,14 @@ from engine_svc.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine_svc.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "FinishReason", "RequestOutput", "RequestStatus", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "FinishReason",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -61,7 +61,8 @@ def ensure_default_model() -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.warning(
         "serving the embedded default model %s (random weights: its text is not meaningful); "
-        "pass --model PATH for a real checkpoint", target
+        "pass --model PATH for a real checkpoint",
+        target,
     )
     return target
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference kernels: the CPU path, and the ground truth the CUDA kernels are tested against.
+"""Pure-torch reference kernels: the CPU path, and the ground truth for the CUDA kernels.
 
 Paged KV cache layout, one pair of tensors per layer::
 

@@ -13,9 +13,9 @@ so the least recently freed cached block is evicted first.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from array import array
 
 BlockHash = bytes
 
@@ -53,7 +53,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, head = next to allocate / evict.
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
 

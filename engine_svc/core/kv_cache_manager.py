@@ -64,7 +64,9 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(
+                hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -130,7 +132,8 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Return every block of the request. Last blocks first, so shared prefixes outlive tails."""
+        """Return every block of the request, last block first: tails are evicted before the
+        prefixes other requests may share."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
         self.pool.free(reversed(blocks))

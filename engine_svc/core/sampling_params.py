@@ -47,22 +47,81 @@ class SamplingParams:
 
     def verify(self, max_n: int = 128) -> None:
         """Raise ``ValueError`` naming the first invalid parameter."""
-        _check(isinstance(self.n, int) and 1 <= self.n <= max_n, "n", f"must be in [1, {max_n}]", self.n)
+        _check(
+            isinstance(self.n, int) and 1 <= self.n <= max_n,
+            "n",
+            f"must be in [1, {max_n}]",
+            self.n,
+        )
         if self.max_tokens is not None:
-            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be at least 1", self.max_tokens)
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be at least 0", self.min_tokens)
+            _check(
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                "must be at least 1",
+                self.max_tokens,
+            )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            "must be at least 0",
+            self.min_tokens,
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must not exceed max_tokens={self.max_tokens}", self.min_tokens)
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be non-negative", self.temperature)
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be 0, -1 (disabled) or positive", self.top_k)
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must not exceed max_tokens={self.max_tokens}",
+                self.min_tokens,
+            )
+        _check(
+            _is_num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be non-negative",
+            self.temperature,
+        )
+        _check(
+            _is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= 0,
+            "top_k",
+            "must be 0, -1 (disabled) or positive",
+            self.top_k,
+        )
+        _check(
+            _is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p
+        )
         if self.seed is not None:
-            _check(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", "must be a 64-bit integer", self.seed)
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids", self.stop_token_ids)
-        _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
-        _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
-        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
+            _check(
+                _is_int(self.seed) and -(2**63) <= self.seed < 2**64,
+                "seed",
+                "must be a 64-bit integer",
+                self.seed,
+            )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative token ids",
+            self.stop_token_ids,
+        )
+        _check(
+            _is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _check(
+            _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _check(
+            _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            "must be in (0, 2]",
+            self.repetition_penalty,
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -248,9 +248,7 @@ class Scheduler:
         self.waiting.add(request, front=True)
 
     # ------------------------------------------------------------------ after the forward pass
-    def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counters, append sampled tokens, stop finished requests.
 
         ``sampled`` maps request id -> token for requests whose step reached the end of their

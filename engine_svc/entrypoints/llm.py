@@ -1,8 +1,8 @@
 """The offline API in the shape vLLM users know::
 
-    from engine_svc import LLM, SamplingParams
-    llm = LLM(model="/path/to/hf-checkpoint")
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+from engine_svc import LLM, SamplingParams
+llm = LLM(model="/path/to/hf-checkpoint")
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class RequestOutput:
 def load_tokenizer(model_dir: str | Path) -> Any | None:
     """The checkpoint's tokenizer through transformers, or None when the directory has none."""
     model_dir = Path(model_dir)
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not any(
+        (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -139,9 +141,7 @@ class LLM:
             else list(sampling_params)
         )
         if len(params_list) != len(prompts):
-            raise ValueError(
-                f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
-            )
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
 
@@ -154,8 +154,12 @@ class LLM:
                 ro = RequestOutput(rid, text, token_ids, [])
                 results.append(ro)
                 for k in range(params.n):
-                    child = params if params.n == 1 else replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + k
+                    child = (
+                        params
+                        if params.n == 1
+                        else replace(
+                            params, n=1, seed=None if params.seed is None else params.seed + k
+                        )
                     )
                     cid = rid if params.n == 1 else f"{rid}-{k}"
                     ro.outputs.append(CompletionOutput(k, "", [], None))

@@ -56,9 +56,7 @@ def _rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"unsupported rope_type {kind!r}; supported: default, linear, llama3"
-    )
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,6 +68,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 

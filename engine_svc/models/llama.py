@@ -160,7 +160,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, max_positions) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, max_positions) for _ in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -236,5 +238,7 @@ def _shard_view(param: torch.Tensor, name: str, shard: int, spec: DecoderSpec) -
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch for {name}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}")
+        raise ValueError(
+            f"shape mismatch for {name}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
+        )
     dst.copy_(src)

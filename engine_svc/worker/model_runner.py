@@ -54,7 +54,12 @@ class ModelRunner:
         self.model = load_model(config.model.model, self.dtype, self.device, max_model_len)
         self.spec = self.model.spec
         self.layout = self._kv_layout()
-        shape = (self.layout.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (
+            self.layout.num_blocks,
+            self.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+        )
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -65,15 +70,22 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         logger.info(
             "model loaded on %s (%s); KV cache: %d blocks x %d tokens",
-            self.device, self.dtype, self.layout.num_blocks, self.block_size,
+            self.device,
+            self.dtype,
+            self.layout.num_blocks,
+            self.block_size,
         )
 
     def _kv_layout(self) -> KVCacheLayout:
         cache = self.config.cache
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_block = (
-            2 * self.spec.num_layers * self.block_size * self.spec.num_kv_heads
-            * self.spec.head_dim * elem
+            2
+            * self.spec.num_layers
+            * self.block_size
+            * self.spec.num_kv_heads
+            * self.spec.head_dim
+            * elem
         )
         if cache.num_kv_blocks is not None:
             num_blocks = cache.num_kv_blocks
@@ -83,9 +95,7 @@ class ModelRunner:
                 budget = self._default_kv_budget()
             num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget too small: one block needs {per_block} bytes"
-            )
+            raise ValueError(f"KV cache budget too small: one block needs {per_block} bytes")
         return KVCacheLayout(num_blocks, self.block_size, per_block)
 
     def _default_kv_budget(self) -> int:
@@ -108,7 +118,8 @@ class ModelRunner:
 
         out = ModelRunnerOutput()
         sampling = [
-            (i, s) for i, s in enumerate(batch)
+            (i, s)
+            for i, s in enumerate(batch)
             if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens
         ]
         if sampling:
@@ -131,10 +142,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the batch::
 
-            request     r0      r1      r2 (chunk of 4 after 8 cached)
-            tokens      [a]     [b]     [c c c c]
-            positions   [17]    [40]    [8 9 10 11]
-            slot        bt[r][pos // bs] * bs + pos % bs
+        request     r0      r1      r2 (chunk of 4 after 8 cached)
+        tokens      [a]     [b]     [c c c c]
+        positions   [17]    [40]    [8 9 10 11]
+        slot        bt[r][pos // bs] * bs + pos % bs
         """
         bs = self.block_size
         tokens: list[int] = []
@@ -180,7 +191,9 @@ class ModelRunner:
         dev = self.device
         all_greedy = all(p.greedy for p in params)
         md = SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            temperature=torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32, device=dev
+            ),
             all_greedy=all_greedy,
             top_k=None,
             top_p=None,
@@ -263,11 +276,20 @@ class ModelRunner:
             first = last - s.num_tokens + 1
             logits = self.model.compute_logits(hidden[first : first + count]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[start + 1 : start + 1 + count], device=self.device)
+            targets = torch.tensor(
+                req.prompt_token_ids[start + 1 : start + 1 + count], device=self.device
+            )
             n = req.sampling_params.prompt_logprobs or 0
             chosen, ranks, top_ids, top_lp = gather_logprobs(logprobs, targets, n)
             for i, (tok, c, rk, ids, lps) in enumerate(
-                zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist(), strict=True)
+                zip(
+                    targets.tolist(),
+                    chosen.tolist(),
+                    ranks.tolist(),
+                    top_ids.tolist(),
+                    top_lp.tolist(),
+                    strict=True,
+                )
             ):
                 del i
                 entries.append(Logprobs(tok, c, rk, dict(zip(ids, lps, strict=True))))

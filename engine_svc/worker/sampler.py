@@ -77,7 +77,9 @@ def gather_logprobs(
     """(logprob of token, its 1-based rank, top-``num`` ids, their logprobs) per row."""
     chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
     ranks = (logprobs > chosen.unsqueeze(-1)).sum(-1) + 1
-    top_lp, top_ids = logprobs.topk(num, dim=-1) if num > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    top_lp, top_ids = (
+        logprobs.topk(num, dim=-1) if num > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    )
     return chosen, ranks, top_ids, top_lp
 
 

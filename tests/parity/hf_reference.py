@@ -14,7 +14,9 @@ def load_hf(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 
 
 @torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) -> list[int]:
+def hf_greedy(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_at_eos: bool
+) -> list[int]:
     """One prompt at a time (no padding) with an explicit all-ones attention mask: transformers
     otherwise infers a mask from pad_token_id and hides prompt tokens equal to it."""
     ids = torch.tensor([prompt])

@@ -44,7 +44,9 @@ def test_batched_greedy_matches_transformers(tiny_models: dict[str, Path], name:
     assert llm.engine.kv.num_free_blocks == 256
 
 
-def _run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], dict[str, int]]:
+def _run_engine(
+    engine: EngineCore, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[list[int]], dict[str, int]]:
     ids = [str(i) for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)
@@ -62,7 +64,9 @@ def _run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingPa
 
 def _engine(model_dir: Path, **kw: object) -> EngineCore:
     sched = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens") if k in kw}
-    cache = {k: kw.pop(k) for k in ("num_kv_blocks", "enable_prefix_caching", "block_size") if k in kw}
+    cache = {
+        k: kw.pop(k) for k in ("num_kv_blocks", "enable_prefix_caching", "block_size") if k in kw
+    }
     assert not kw
     return EngineCore(
         EngineConfig(
@@ -103,7 +107,9 @@ def test_shared_prefix_hits_cache_and_matches(tiny_models: dict[str, Path], llam
     assert engine.kv.num_free_blocks == 128
 
 
-def test_tiny_token_budget_chunks_prefill_and_matches(tiny_models: dict[str, Path], llama_ref) -> None:  # type: ignore[no-untyped-def]
+def test_tiny_token_budget_chunks_prefill_and_matches(
+    tiny_models: dict[str, Path], llama_ref
+) -> None:  # type: ignore[no-untyped-def]
     prompts = _prompts(LENGTHS, 384, seed=1)
     engine = _engine(tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=7)
     got, _ = _run_engine(engine, prompts, GREEDY)
