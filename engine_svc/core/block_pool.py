@@ -104,6 +104,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Withdraw a block's hash (its KV was never written); the block itself is untouched."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference; blocks reaching zero join the tail of the free queue in order."""
         for block in blocks:

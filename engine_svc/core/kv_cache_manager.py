@@ -136,6 +136,12 @@ class KVCacheManager:
         prefixes other requests may share."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
+        # Fix: allocate_slots publishes blocks before the step that fills them runs. A request
+        # freed before that step ran (a priority-preemption victim undone in the very step that
+        # scheduled it) would leave hashes naming KV that was never written, and a later prefix
+        # hit would read it. Only blocks within num_computed_tokens keep their hash.
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            self.pool.uncache(block)
         self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -140,7 +140,8 @@ class Scheduler:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort waiting or running requests; unknown or finished ids are ignored."""
-        doomed = [self.requests[r] for r in request_ids if r in self.requests]
+        # Fix: dict.fromkeys drops repeated ids, which were finished (and freed) twice.
+        doomed = [self.requests[r] for r in dict.fromkeys(request_ids) if r in self.requests]
         if not doomed:
             return []
         doomed_set = set(doomed)

@@ -1,0 +1,92 @@
+"""``python -m engine_svc``: the engine as a gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from engine_svc import envs
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
+from engine_svc.core.scheduler import SchedulerConfig
+
+VERSION = "0.1.0"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine_svc", description="Tandem engine service")
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded tiny model)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count")
+    p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue limit")
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from engine_svc.core.engine_core import EngineCore
+    from engine_svc.rpc.server import serve
+
+    model = args.model
+    if model is None:
+        from engine_svc.default_model import NAME, ensure_default_model
+
+        model = str(ensure_default_model())
+        served = args.served_model_name or NAME
+        logging.getLogger("engine_svc").warning(
+            "no --model given: serving the embedded default model (random weights, gibberish text)"
+        )
+    else:
+        served = args.served_model_name
+    config = EngineConfig(
+        model=ModelConfig(
+            model=model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            served_model_name=served,
+            seed=args.seed,
+            max_logprobs=args.max_logprobs,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_memory=None
+            if args.kv_cache_memory is None
+            else parse_size(args.kv_cache_memory),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_kv_blocks=args.num_kv_blocks,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len or args.max_num_batched_tokens,
+            policy=args.scheduling_policy,
+        ),
+        device=args.device,
+    )
+    core = EngineCore(config)
+    asyncio.run(
+        serve(core, model, args.host, args.port, args.max_waiting, args.shutdown_timeout, VERSION)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""The engine busy loop in its own thread, fed by a thread-safe input queue.
+
+    gRPC handlers (asyncio) --submit/abort--> queue --> loop thread: drain, step(), route
+    per-client sink  <--call_soon_threadsafe-- outputs of that client's requests, once per step
+
+Request ids are scoped per client: two clients may both send "req-1". Internally a request is
+``"{client}/{id}"``; outputs go back under the client's own id.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_svc.core.engine_core import EngineCore
+from engine_svc.core.outputs import EngineCoreOutput
+from engine_svc.core.request import FinishReason
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadFigures:
+    """Cumulative counters plus the latest gauges, as every client message carries them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+    def update(self, s: SchedulerStats) -> None:
+        self.num_running, self.num_waiting = s.num_running, s.num_waiting
+        self.kv_cache_usage = s.kv_cache_usage
+        self.prefix_cache_queries += s.prefix_cache_queries
+        self.prefix_cache_hits += s.prefix_cache_hits
+        self.num_preemptions += s.num_preemptions
+
+
+@dataclass
+class ClientBatch:
+    """What one client receives for one engine step."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    errors: list[tuple[str, Exception]] = field(default_factory=list)  # (request id, error)
+    load: LoadFigures | None = None
+
+
+Sink = Callable[[ClientBatch], None]
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-waiting."""
+
+
+class Draining(Exception):
+    """The engine is shutting down and takes no new work."""
+
+
+@dataclass
+class _Add:
+    client: str
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_time: float | None
+    priority: int
+
+
+@dataclass
+class _Abort:
+    internal_ids: list[str]
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, max_waiting: int = 1024) -> None:
+        self.core = core
+        self.max_waiting = max_waiting
+        self.load = LoadFigures(kv_cache_usage=0.0)
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._owner: dict[str, tuple[str, str]] = {}  # internal id -> (client, request id)
+        self._pending_adds = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.draining = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------ called from any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def register(self, client: str, sink: Sink) -> None:
+        with self._lock:
+            self._sinks[client] = sink
+
+    def unregister(self, client: str) -> None:
+        """Forget a client and abort everything it still has in flight."""
+        with self._lock:
+            self._sinks.pop(client, None)
+            mine = [i for i, (c, _) in self._owner.items() if c == client]
+        if mine:
+            self._inbox.put(_Abort(mine))
+
+    def submit(
+        self,
+        client: str,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request (already validated). Raises QueueFull, Draining, or ValueError for
+        an id the client already has in flight."""
+        if self.draining:
+            raise Draining("the engine is shutting down")
+        internal = f"{client}/{request_id}"
+        with self._lock:
+            if internal in self._owner:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            if self.load.num_waiting + self._pending_adds >= self.max_waiting:
+                raise QueueFull(f"the engine's waiting queue is full ({self.max_waiting} requests)")
+            self._pending_adds += 1
+            self._owner[internal] = (client, request_id)
+        self._inbox.put(_Add(client, request_id, prompt, params, arrival_time, priority))
+
+    def abort(self, client: str | None, request_ids: list[str]) -> int:
+        """Abort by the client's ids (client None: match the id under any client)."""
+        with self._lock:
+            wanted = set(request_ids)
+            hits = [
+                i
+                for i, (c, r) in self._owner.items()
+                if r in wanted and (client is None or c == client)
+            ]
+        if hits:
+            self._inbox.put(_Abort(hits))
+        return len(hits)
+
+    def has_requests(self, client: str) -> bool:
+        with self._lock:
+            return any(c == client for c, _ in self._owner.values())
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._owner)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.core.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.core.has_unfinished_requests():
+                    step = self.core.step()
+                    self.load.update(step.stats)
+                    self._route(step.outputs)
+        except Exception:  # a bug in the engine: fail every request loudly, never hang them
+            logger.exception("engine loop crashed")
+            self._fail_all(RuntimeError("the engine loop crashed; see the engine log"))
+            raise
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        batches: dict[str, ClientBatch] = {}
+        while item is not None:
+            if isinstance(item, _Add):
+                self._add(item, batches)
+            else:
+                self._abort(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._deliver(batches)
+
+    def _add(self, item: _Add, batches: dict[str, ClientBatch]) -> None:
+        internal = f"{item.client}/{item.request_id}"
+        with self._lock:
+            self._pending_adds -= 1
+            if internal not in self._owner:  # aborted before it reached the engine
+                return
+        try:
+            self.core.add_request(
+                internal, item.prompt, item.params, item.arrival_time, item.priority
+            )
+        except ValueError as e:
+            with self._lock:
+                self._owner.pop(internal, None)
+            batches.setdefault(item.client, ClientBatch()).errors.append((item.request_id, e))
+
+    def _abort(self, item: _Abort) -> None:
+        """Abort in the engine; each owner still listening gets a final ABORT output."""
+        self.core.abort_requests(item.internal_ids)
+        batches: dict[str, ClientBatch] = {}
+        with self._lock:
+            for i in item.internal_ids:
+                owner = self._owner.pop(i, None)
+                if owner is not None:
+                    client, rid = owner
+                    batches.setdefault(client, ClientBatch()).outputs.append(
+                        EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT)
+                    )
+        self._deliver(batches)
+
+    def _route(self, outputs: list[EngineCoreOutput]) -> None:
+        batches: dict[str, ClientBatch] = {}
+        with self._lock:
+            for o in outputs:
+                owner = self._owner.get(o.request_id)
+                if owner is None:
+                    continue
+                client, rid = owner
+                if o.finished:
+                    del self._owner[o.request_id]
+                o.request_id = rid
+                batches.setdefault(client, ClientBatch()).outputs.append(o)
+        self._deliver(batches)
+
+    def _deliver(self, batches: dict[str, ClientBatch]) -> None:
+        for client, batch in batches.items():
+            batch.load = self.load
+            sink = self._sinks.get(client)
+            if sink is not None:
+                sink(batch)
+
+    def _fail_all(self, error: Exception) -> None:
+        batches: dict[str, ClientBatch] = {}
+        with self._lock:
+            for client, rid in self._owner.values():
+                batches.setdefault(client, ClientBatch()).errors.append((rid, error))
+            self._owner.clear()
+        self._deliver(batches)
+
+    # ------------------------------------------------------------------ shutdown
+    def drain_and_abort(self, timeout_s: float) -> int:
+        """Refuse new work, let in-flight requests finish for ``timeout_s``, abort the rest.
+
+        Returns how many requests were aborted; their clients get a final ABORT output.
+        """
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            left = dict(self._owner)
+        if not left:
+            return 0
+        self._inbox.put(_Abort(list(left)))  # their owners get a final ABORT output
+        return len(left)

@@ -1,0 +1,104 @@
+"""The one adapter between protobuf messages and engine domain objects (engine side)."""
+
+from __future__ import annotations
+
+from engine_svc.core.engine_core import ModelInfo
+from engine_svc.core.outputs import EngineCoreOutput
+from engine_svc.core.request import FinishReason, Logprobs
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.engine_loop import LoadFigures
+from protos.tandem.engine.v1 import engine_pb2 as pb
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_pb(m: pb.SamplingParams, max_logprobs: int) -> SamplingParams:
+    """Proto -> SamplingParams; unset optionals take their real defaults. Raises ValueError."""
+    return SamplingParams(
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
+        min_tokens=m.min_tokens,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k,
+        min_p=m.min_p,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=list(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        max_logprobs=max_logprobs,
+    )
+
+
+def _logprob_pb(lp: Logprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
+    )
+
+
+def output_to_pb(o: EngineCoreOutput) -> pb.RequestOutput:
+    m = pb.RequestOutput(
+        request_id=o.request_id,
+        new_token_ids=o.new_token_ids,
+        logprobs=[_logprob_pb(lp) for lp in o.new_logprobs],
+        finish_reason=_FINISH[o.finish_reason],
+        num_cached_tokens=o.num_cached_tokens,
+        num_prompt_tokens=o.num_prompt_tokens,
+    )
+    if o.stop_reason is not None:
+        m.stop_reason = o.stop_reason
+    if o.prompt_logprobs is not None:
+        # The first prompt token has no logprob; entry i is about prompt token i + 1.
+        m.prompt_logprobs.extend(_logprob_pb(lp) for lp in o.prompt_logprobs if lp is not None)
+    return m
+
+
+def load_to_pb(load: LoadFigures) -> pb.LoadStats:
+    return pb.LoadStats(
+        num_running_requests=load.num_running,
+        num_waiting_requests=load.num_waiting,
+        kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
+        num_preemptions=load.num_preemptions,
+    )
+
+
+def model_info_to_pb(info: ModelInfo, model_source: str, version: str) -> pb.GetModelInfoResponse:
+    m = pb.GetModelInfoResponse(
+        served_model_name=info.name,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        kv_capacity_tokens=info.num_kv_blocks * info.block_size,
+        max_logprobs=info.max_logprobs,
+        model_source=model_source,
+        engine_version=version,
+    )
+    if info.bos_token_id is not None:
+        m.bos_token_id = info.bos_token_id
+    return m
+
+
+def error_code(e: Exception) -> int:
+    text = str(e)
+    if "context length" in text:
+        return int(pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED)
+    if "already in flight" in text or "already in use" in text:
+        return int(pb.ERROR_CODE_DUPLICATE_REQUEST_ID)
+    if isinstance(e, ValueError):
+        return int(pb.ERROR_CODE_INVALID_ARGUMENT)
+    return int(pb.ERROR_CODE_INTERNAL)

@@ -1,0 +1,240 @@
+"""The gRPC ``Engine`` service (grpc.aio) over the ``EngineLoop``.
+
+Stream:   one client per call; its requests' outputs come back once per engine step.
+Generate: one request per call; cancelling the call aborts it.
+Errors:   INVALID_ARGUMENT (parameter named), RESOURCE_EXHAUSTED (waiting queue full),
+          UNAVAILABLE (draining). In Stream they arrive per request, never ending the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from engine_svc.core.engine_core import ModelInfo
+from engine_svc.engine_loop import ClientBatch, Draining, EngineLoop, QueueFull
+from engine_svc.rpc import convert
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+_CHUNK = 1 << 20
+_client_ids = itertools.count()
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, loop: EngineLoop, info: ModelInfo, model_dir: str, version: str) -> None:
+        self.loop = loop
+        self.info = info
+        self.model_dir = Path(model_dir)
+        self.version = version
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, add: pb.AddRequest) -> tuple[str, list[int], object]:
+        """Raise ValueError naming the bad field; returns (id, prompt, SamplingParams)."""
+        if not add.request_id:
+            raise ValueError("request_id must not be empty")
+        prompt = list(add.prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        params = convert.sampling_params_from_pb(add.sampling_params, self.info.max_logprobs)
+        bad = [t for t in prompt if t >= self.info.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains ids outside the vocabulary "
+                f"[0, {self.info.vocab_size}): {bad[:5]}"
+            )
+        if len(prompt) >= self.info.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; the model's context length is "
+                f"{self.info.max_model_len} and at least one token must be generated"
+            )
+        return add.request_id, prompt, params
+
+    def _submit(self, client: str, add: pb.AddRequest) -> None:
+        rid, prompt, params = self._validate(add)
+        self.loop.submit(
+            client,
+            rid,
+            prompt,
+            params,  # type: ignore[arg-type]
+            arrival_time=add.arrival_time or None,
+            priority=add.priority,
+        )
+
+    # ------------------------------------------------------------------ Stream
+    async def Stream(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[pb.EngineCoreRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.EngineCoreOutputs]:
+        client = f"s{next(_client_ids)}"
+        aio_loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[pb.EngineCoreOutputs | None] = asyncio.Queue()
+
+        def sink(batch: ClientBatch) -> None:
+            aio_loop.call_soon_threadsafe(inbox.put_nowait, _batch_to_pb(batch))
+
+        self.loop.register(client, sink)
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "add":
+                        try:
+                            self._submit(client, msg.add)
+                        except (ValueError, QueueFull, Draining) as e:
+                            inbox.put_nowait(_error_msg(msg.add.request_id, e, self.loop))
+                    elif kind == "abort":
+                        self.loop.abort(client, list(msg.abort.request_ids))
+            finally:
+                inbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        half_closed = False
+        try:
+            while True:
+                # A client that half-closed gets everything it has in flight, then the end.
+                if half_closed and not self.loop.has_requests(client) and inbox.empty():
+                    break
+                item = await inbox.get()
+                if item is None:
+                    half_closed = True
+                    continue
+                yield item
+        finally:
+            reader.cancel()
+            self.loop.unregister(client)  # aborts everything this stream still carried
+
+    # ------------------------------------------------------------------ Generate
+    async def Generate(  # noqa: N802
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        client = f"g{next(_client_ids)}"
+        aio_loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[ClientBatch] = asyncio.Queue()
+
+        def sink(batch: ClientBatch) -> None:
+            aio_loop.call_soon_threadsafe(inbox.put_nowait, batch)
+
+        self.loop.register(client, sink)
+        try:
+            try:
+                self._submit(client, request.request)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except QueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except Draining as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            while True:
+                batch = await inbox.get()
+                for rid, err in batch.errors:
+                    del rid
+                    code = (
+                        grpc.StatusCode.INVALID_ARGUMENT
+                        if isinstance(err, ValueError)
+                        else grpc.StatusCode.INTERNAL
+                    )
+                    await context.abort(code, str(err))
+                load = convert.load_to_pb(batch.load) if batch.load else None
+                for o in batch.outputs:
+                    yield pb.GenerateResponse(output=convert.output_to_pb(o), load=load)
+                    if o.finished:
+                        return
+        finally:
+            self.loop.unregister(client)  # cancelled or failed: abort the request
+
+    # ------------------------------------------------------------------ unary
+    async def Abort(  # noqa: N802
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return pb.AbortResponse(num_aborted=self.loop.abort(None, list(request.request_ids)))
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        return convert.model_info_to_pb(self.info, str(self.model_dir), self.version)
+
+    async def GetTokenizer(  # noqa: N802
+        self, request: pb.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetTokenizerResponse]:
+        files = [self.model_dir / n for n in TOKENIZER_FILES if (self.model_dir / n).is_file()]
+        if not files:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, "the served model has no tokenizer files"
+            )
+        chat_template = _chat_template(self.model_dir)
+        first = True
+        for path in files:
+            data = path.read_bytes()
+            for start in range(0, max(len(data), 1), _CHUNK):
+                msg = pb.GetTokenizerResponse(
+                    file_name=path.name, data=data[start : start + _CHUNK]
+                )
+                if first:
+                    msg.chat_template = chat_template
+                    first = False
+                yield msg
+
+
+def _chat_template(model_dir: Path) -> str:
+    import json
+
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.is_file():
+        template = json.loads(cfg.read_text()).get("chat_template") or ""
+        return template if isinstance(template, str) else ""
+    return ""
+
+
+def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:
+    import time
+
+    msg = pb.EngineCoreOutputs(
+        outputs=[convert.output_to_pb(o) for o in batch.outputs],
+        errors=[
+            pb.RequestError(request_id=rid, code=convert.error_code(e), message=str(e))  # type: ignore[arg-type]
+            for rid, e in batch.errors
+        ],
+        timestamp=time.time(),
+    )
+    if batch.load is not None:
+        msg.load.CopyFrom(convert.load_to_pb(batch.load))
+    return msg
+
+
+def _error_msg(request_id: str, e: Exception, loop: EngineLoop) -> pb.EngineCoreOutputs:
+    if isinstance(e, QueueFull):
+        code = pb.ERROR_CODE_RESOURCE_EXHAUSTED
+    elif isinstance(e, Draining):
+        code = pb.ERROR_CODE_UNAVAILABLE
+    else:
+        code = convert.error_code(e)  # type: ignore[assignment]
+    msg = pb.EngineCoreOutputs(
+        errors=[pb.RequestError(request_id=request_id, code=code, message=str(e))]
+    )
+    msg.load.CopyFrom(convert.load_to_pb(loop.load))
+    return msg

@@ -1,0 +1,91 @@
+"""The Starlette application: routes, API-key check, error handlers, engine client lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend_svc.config import FrontendConfig
+from frontend_svc.engine_types import EngineRequestError, EngineUnavailableError
+from frontend_svc.errors import ApiError, from_engine_error, unauthorized
+from frontend_svc.gateway_state import GatewayState
+from frontend_svc.routes import chat, completions, system, tokenize
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health", "/live", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """401 for every route but the public ones unless ``Authorization: Bearer <key>`` matches."""
+
+    def __init__(self, app: ASGIApp, state: GatewayState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1") or None
+            if not self.state.api_key_ok(auth):
+                await unauthorized().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(config: FrontendConfig) -> Starlette:
+    """The gateway app; it connects to the engine in the background once started."""
+    state = GatewayState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.client.start()
+        try:
+            yield
+        finally:
+            await state.client.close()
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def engine_error(request: Request, exc: Exception) -> Response:
+        return from_engine_error(exc, config.retry_after_s).response()
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        return ApiError(500, f"Internal error: {exc!r}", type="internal_error").response()
+
+    routes = [
+        Route("/v1/models", system.list_models, methods=["GET"]),
+        Route("/v1/completions", completions.create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/health", system.health, methods=["GET"]),
+        Route("/live", system.live, methods=["GET"]),
+        Route("/version", system.version, methods=["GET"]),
+        Route("/metrics", system.metrics, methods=["GET"]),
+        Route("/openapi.json", system.openapi, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            ApiError: api_error,
+            EngineRequestError: engine_error,
+            EngineUnavailableError: engine_error,
+            Exception: unexpected,
+        },
+    )
+    app.state.gateway = state
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, state=state)
+    return app

@@ -1,0 +1,353 @@
+"""The gateway's side of the engine contract: the only module that imports the generated stubs.
+
+One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
+request gets its own asyncio queue; the engine's per-step ``EngineCoreOutputs`` are split by
+request id into those queues. A consumer that goes away (its generator is closed) makes the
+client send an abort. When the stream breaks, every in-flight request gets an
+:class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
+fetching model info and the tokenizer again before it reports itself connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+
+import grpc
+
+from frontend_svc.config import BackoffConfig
+from frontend_svc.engine_types import (
+    EngineErrorCode,
+    EngineOutput,
+    EngineRequest,
+    EngineRequestError,
+    EngineUnavailableError,
+    FinishReason,
+    LoadFigures,
+    ModelInfo,
+    TokenizerFiles,
+    TokenLogprob,
+)
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
+OnLoad = Callable[[LoadFigures], None]
+_QueueItem = EngineOutput | Exception
+
+_FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+_ERROR_CODES = {
+    pb.ERROR_CODE_INVALID_ARGUMENT: EngineErrorCode.INVALID_ARGUMENT,
+    pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: EngineErrorCode.CONTEXT_LENGTH_EXCEEDED,
+    pb.ERROR_CODE_RESOURCE_EXHAUSTED: EngineErrorCode.RESOURCE_EXHAUSTED,
+    pb.ERROR_CODE_DUPLICATE_REQUEST_ID: EngineErrorCode.DUPLICATE_REQUEST_ID,
+    pb.ERROR_CODE_UNAVAILABLE: EngineErrorCode.UNAVAILABLE,
+    pb.ERROR_CODE_INTERNAL: EngineErrorCode.INTERNAL,
+}
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # tokenizer chunks and long prompts
+
+
+class EngineClient:
+    """Multiplexes many requests over one gRPC stream to one engine, reconnecting as needed."""
+
+    def __init__(
+        self,
+        address: str,
+        backoff: BackoffConfig | None = None,
+        rpc_timeout_s: float = 10.0,
+        on_connect: OnConnect | None = None,
+        on_load: OnLoad | None = None,
+    ) -> None:
+        self.address = address
+        self._backoff = backoff or BackoffConfig()
+        self._rpc_timeout_s = rpc_timeout_s
+        self._on_connect = on_connect
+        self._on_load = on_load
+        self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
+        self._outbox: asyncio.Queue[pb.EngineCoreRequest | None] | None = None
+        self._epoch = 0  # bumped on every (re)connection; requests remember theirs
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.model_info: ModelInfo | None = None
+        self.last_error: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start connecting in the background; returns at once."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-client")
+
+    async def close(self) -> None:
+        """Half-close the stream (the engine aborts what it carried) and stop reconnecting."""
+        self._closing = True
+        if self._outbox is not None:
+            self._outbox.put_nowait(None)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a connection; return whether there is one."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        return self.connected
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Send ``request`` and yield its outputs until the one with a finish reason.
+
+        Raises :class:`EngineRequestError` when the engine refuses or fails the request and
+        :class:`EngineUnavailableError` when there is no engine or the stream breaks. Closing the
+        generator early aborts the request on the engine. Use it under ``contextlib.aclosing``.
+        """
+        outbox = self._outbox
+        if outbox is None or not self.connected:
+            raise EngineUnavailableError(self._unavailable_reason())
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        epoch = self._epoch
+        self._queues[rid] = queue
+        outbox.put_nowait(pb.EngineCoreRequest(add=_add_request(request)))
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                yield item
+                if item.finished:
+                    done = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not done and epoch == self._epoch and self._outbox is not None:
+                self._outbox.put_nowait(
+                    pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=[rid]))
+                )
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Ask the engine to abort requests (no-op when disconnected: they are gone anyway)."""
+        ids = list(request_ids)
+        if ids and self._outbox is not None:
+            self._outbox.put_nowait(pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=ids)))
+
+    # -- connection loop --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delay = self._backoff.initial_s
+        while not self._closing:
+            was_connected = False
+            try:
+                was_connected = await self._serve_connection()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                self.last_error = f"{e.code().name}: {e.details()}"
+            except Exception as e:  # a bad tokenizer, a callback failure ...
+                logger.exception("engine connection failed")
+                self.last_error = repr(e)
+            if self._closing:
+                break
+            if was_connected:
+                delay = self._backoff.initial_s
+                logger.warning("engine stream to %s broke: %s", self.address, self.last_error)
+            else:
+                logger.info("engine %s unavailable (%s)", self.address, self.last_error)
+            await asyncio.sleep(delay)
+            delay = min(delay * self._backoff.multiplier, self._backoff.max_s)
+
+    async def _serve_connection(self) -> bool:
+        """Connect, then pump the stream until it ends. Returns whether it got connected."""
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ]
+        channel = grpc.aio.insecure_channel(self.address, options=options)
+        outbox: asyncio.Queue[pb.EngineCoreRequest | None] = asyncio.Queue()
+        connected = False
+        try:
+            stub = pb_grpc.EngineStub(channel)
+            info = _model_info(
+                await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._rpc_timeout_s)
+            )
+            files = await self._fetch_tokenizer(stub)
+            if self._on_connect is not None:
+                await self._on_connect(info, files)
+            call = stub.Stream(_drain(outbox))
+            await call.wait_for_connection()
+            self.model_info = info
+            self._epoch += 1
+            self._outbox = outbox
+            self._connected.set()
+            self.last_error = None
+            connected = True
+            logger.info("connected to engine %s (%s)", self.address, info.served_model_name)
+            try:
+                async for message in call:
+                    self._dispatch(message)
+                self.last_error = "the engine closed the stream"
+            except grpc.aio.AioRpcError as e:
+                self.last_error = f"{e.code().name}: {e.details()}"
+            return True
+        finally:
+            self._connected.clear()
+            self._outbox = None
+            outbox.put_nowait(None)
+            if connected:
+                self._fail_in_flight(self.last_error or "connection lost")
+            await channel.close(grace=None)
+
+    async def _fetch_tokenizer(self, stub: pb_grpc.EngineStub) -> TokenizerFiles:
+        files: dict[str, bytearray] = {}
+        template: str | None = None
+        stream = stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=self._rpc_timeout_s)
+        async for chunk in stream:
+            if chunk.chat_template:
+                template = chunk.chat_template
+            if chunk.file_name:
+                name = chunk.file_name
+                if "/" in name or "\\" in name or name in (".", ".."):
+                    raise ValueError(f"engine sent a tokenizer file with a bad name: {name!r}")
+                files.setdefault(name, bytearray()).extend(chunk.data)
+        return TokenizerFiles({k: bytes(v) for k, v in files.items()}, template)
+
+    def _dispatch(self, message: pb.EngineCoreOutputs) -> None:
+        if message.HasField("load") and self._on_load is not None:
+            self._on_load(_load(message.load))
+        for out in message.outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(_output(out))
+        for err in message.errors:
+            queue = self._queues.get(err.request_id)
+            if queue is not None:
+                code = _ERROR_CODES.get(err.code, EngineErrorCode.INTERNAL)
+                queue.put_nowait(EngineRequestError(code, err.message))
+
+    def _fail_in_flight(self, reason: str) -> None:
+        error = EngineUnavailableError(f"lost the engine connection: {reason}")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _unavailable_reason(self) -> str:
+        detail = f": {self.last_error}" if self.last_error else ""
+        return f"the engine at {self.address} is not connected{detail}"
+
+
+async def _drain(
+    outbox: asyncio.Queue[pb.EngineCoreRequest | None],
+) -> AsyncIterator[pb.EngineCoreRequest]:
+    """The Stream's request iterator; ``None`` half-closes it."""
+    while (item := await outbox.get()) is not None:
+        yield item
+
+
+# -- protobuf <-> domain -------------------------------------------------------------------------
+
+
+def _add_request(request: EngineRequest) -> pb.AddRequest:
+    sp = request.sampling_params
+    params = pb.SamplingParams(
+        min_tokens=sp.min_tokens,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+    )
+    optionals = {
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "seed": sp.seed,
+        "repetition_penalty": sp.repetition_penalty,
+        "logprobs": sp.logprobs,
+        "prompt_logprobs": sp.prompt_logprobs,
+    }
+    for name, value in optionals.items():
+        if value is not None:
+            setattr(params, name, value)
+    return pb.AddRequest(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling_params=params,
+        priority=request.priority,
+        arrival_time=request.arrival_time,
+    )
+
+
+def _logprobs(entries: Iterable[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            rank=e.rank,
+            top=tuple((t.token_id, t.logprob) for t in e.top_logprobs),
+        )
+        for e in entries
+    )
+
+
+def _output(out: pb.RequestOutput) -> EngineOutput:
+    return EngineOutput(
+        request_id=out.request_id,
+        new_token_ids=tuple(out.new_token_ids),
+        logprobs=_logprobs(out.logprobs),
+        prompt_logprobs=_logprobs(out.prompt_logprobs),
+        finish_reason=_FINISH_REASONS.get(out.finish_reason),
+        stop_reason=out.stop_reason if out.HasField("stop_reason") else None,
+        num_cached_tokens=out.num_cached_tokens,
+        num_prompt_tokens=out.num_prompt_tokens,
+    )
+
+
+def _load(load: pb.LoadStats) -> LoadFigures:
+    return LoadFigures(
+        num_running=load.num_running_requests,
+        num_waiting=load.num_waiting_requests,
+        kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
+        num_preemptions=load.num_preemptions,
+    )
+
+
+def _model_info(info: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        served_model_name=info.served_model_name,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=tuple(info.eos_token_ids),
+        bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        max_logprobs=info.max_logprobs,
+        model_source=info.model_source,
+        engine_version=info.engine_version,
+    )

@@ -1,0 +1,140 @@
+"""What crosses the engine boundary, as plain dataclasses (the engine client converts protobuf).
+
+Nothing here knows about gRPC or HTTP; the routes and the output processing work on these.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended; the value is the OpenAI spelling."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class EngineErrorCode(enum.Enum):
+    """Why the engine refused or failed one request (mirrors the proto's ErrorCode)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+class EngineUnavailableError(Exception):
+    """The engine cannot be reached, or the connection broke while a request was in flight."""
+
+
+class EngineRequestError(Exception):
+    """The engine refused or failed one request."""
+
+    def __init__(self, code: EngineErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineSamplingParams:
+    """The engine's sampling parameters (n and text-level stops are handled by the gateway).
+
+    ``None`` means "unset": the engine applies its default.
+    """
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: EngineSamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0  # Unix seconds; 0: the engine stamps it
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one token plus the top alternatives (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # first output only; from the 2nd prompt token
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class LoadFigures:
+    """Engine-wide load; the prefix-cache and preemption figures are cumulative totals."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about the served model (GetModelInfo)."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    block_size: int
+    num_kv_blocks: int
+    kv_capacity_tokens: int
+    max_logprobs: int
+    model_source: str = ""
+    engine_version: str = ""
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """The tokenizer directory as served by GetTokenizer: file name -> bytes, plus the template."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    chat_template: str | None = None

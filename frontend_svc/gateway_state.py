@@ -1,0 +1,75 @@
+"""What every route needs: config, engine client, tokenizer, model facts and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from frontend_svc.config import FrontendConfig
+from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_types import ModelInfo, TokenizerFiles
+from frontend_svc.errors import engine_unavailable, model_not_found
+from frontend_svc.metrics import Metrics
+from frontend_svc.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayState:
+    """Holds the engine connection and what was learned from the engine when it connected."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.metrics = Metrics(config.served_model_name or "")
+        self.tokenizer: Tokenizer | None = None
+        self.model_info: ModelInfo | None = None
+        self.client = EngineClient(
+            config.engine_address,
+            backoff=config.backoff,
+            rpc_timeout_s=config.engine_rpc_timeout_s,
+            on_connect=self._on_connect,
+            on_load=self.metrics.observe_load,
+        )
+
+    async def _on_connect(self, info: ModelInfo, files: TokenizerFiles) -> None:
+        tokenizer = await asyncio.to_thread(Tokenizer.from_files, files, info)
+        self.tokenizer, self.model_info = tokenizer, info
+        self.metrics.model_name = self.config.served_model_name or info.served_model_name
+        logger.info(
+            "engine model %s: max_model_len=%d vocab=%d",
+            info.served_model_name,
+            info.max_model_len,
+            info.vocab_size,
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.client.connected and self.tokenizer is not None
+
+    @property
+    def served_model_name(self) -> str | None:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.model_info.served_model_name if self.model_info else None
+
+    def require_engine(self) -> tuple[Tokenizer, ModelInfo]:
+        """The tokenizer and model info, or a 503 when the engine is not connected."""
+        if not self.ready or self.tokenizer is None or self.model_info is None:
+            raise engine_unavailable(
+                self.client.last_error or f"not connected to {self.config.engine_address}"
+            )
+        return self.tokenizer, self.model_info
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served model (None is accepted where optional)."""
+        if model is not None and model != self.served_model_name:
+            raise model_not_found(model)
+
+    def api_key_ok(self, authorization: str | None) -> bool:
+        key = self.config.api_key
+        if key is None:
+            return True
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(authorization[len("Bearer ") :].encode(), key.encode())

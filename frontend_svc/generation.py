@@ -1,0 +1,223 @@
+"""Runs the engine requests behind one API call: n sequences per prompt, merged into one stream.
+
+Each sequence is one engine request. Their deltas are merged in arrival order; closing the merged
+stream cancels every sequence, which closes its engine generator and so aborts it on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_types import EngineRequest, TokenLogprob
+from frontend_svc.errors import invalid_parameter
+from frontend_svc.gateway_state import GatewayState
+from frontend_svc.metrics import Metrics
+from frontend_svc.output_processor import OutputProcessor, SequenceDelta
+from frontend_svc.protocol import SamplingOptions
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def prepare_prompt(
+    token_ids: Sequence[int],
+    requested_max_tokens: int | None,
+    max_model_len: int,
+    vocab_size: int,
+    prompt_param: str,
+    max_tokens_param: str,
+) -> PreparedPrompt:
+    """Check the prompt against the context length and resolve max_tokens (default: the rest)."""
+    n = len(token_ids)
+    if n == 0:
+        raise invalid_parameter("The prompt is empty after tokenization.", prompt_param)
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise invalid_parameter(
+            f"Token id {bad} is out of the vocabulary (size {vocab_size}).", prompt_param
+        )
+    if n >= max_model_len:
+        raise invalid_parameter(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {n} tokens, which leaves no room for a completion. Please reduce the "
+            "length of the prompt.",
+            prompt_param,
+        )
+    if requested_max_tokens is None:
+        return PreparedPrompt(tuple(token_ids), max_model_len - n)
+    if n + requested_max_tokens > max_model_len:
+        raise invalid_parameter(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {n + requested_max_tokens} tokens ({n} in the prompt, "
+            f"{requested_max_tokens} in the completion). Please reduce the length of the prompt "
+            f"or '{max_tokens_param}'.",
+            max_tokens_param,
+        )
+    return PreparedPrompt(tuple(token_ids), requested_max_tokens)
+
+
+def generate(
+    state: GatewayState,
+    request_id: str,
+    prompts: Sequence[PreparedPrompt],
+    options: SamplingOptions,
+) -> AsyncIterator[SequenceDelta]:
+    """Start ``options.n`` sequences per prompt; choice index = prompt index * n + i."""
+    tokenizer, _ = state.require_engine()
+    streams: list[AsyncIterator[SequenceDelta]] = []
+    for p_idx, prompt in enumerate(prompts):
+        for i in range(options.n):
+            index = p_idx * options.n + i
+            engine_request = EngineRequest(
+                request_id=f"{request_id}-{index}",
+                prompt_token_ids=prompt.token_ids,
+                sampling_params=options.engine_params(prompt.max_tokens, i),
+                arrival_time=time.time(),
+            )
+            processor = OutputProcessor(
+                tokenizer,
+                prompt.token_ids,
+                options.stop,
+                options.include_stop_str_in_output,
+                options.skip_special_tokens,
+                index=index,
+                prompt_index=p_idx,
+            )
+            streams.append(_run_sequence(state.client, engine_request, processor, state.metrics))
+    return merge(streams)
+
+
+async def _run_sequence(
+    client: EngineClient, request: EngineRequest, processor: OutputProcessor, metrics: Metrics
+) -> AsyncIterator[SequenceDelta]:
+    start = last = time.monotonic()
+    metrics.observe_prompt(len(request.prompt_token_ids))
+    async with contextlib.aclosing(client.generate(request)) as outputs:
+        async for out in outputs:
+            now = time.monotonic()
+            delta = processor.process(out)
+            metrics.observe_tokens(
+                len(out.new_token_ids), now - last if out.new_token_ids else None, delta.first
+            )
+            if out.new_token_ids:
+                last = now
+            if delta.finish_reason is not None:
+                metrics.observe_finished(delta.finish_reason, now - start)
+            yield delta
+            if delta.finish_reason is not None:
+                return  # a stop string ends it early: leaving aborts the engine request
+
+
+_DONE = object()
+
+
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Interleave several async iterators; the first error cancels the rest and is raised."""
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    queue.put_nowait(item)
+        except Exception as e:
+            queue.put_nowait(_Failure(e))
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, _Failure):
+                raise item.error
+            else:
+                yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Failure:
+    error: Exception
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, accumulated from its deltas (non-streaming responses)."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, d: SequenceDelta) -> None:
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs)
+        if d.first:
+            self.prompt_logprobs = d.prompt_logprobs
+        self.finish_reason = d.finish_reason or self.finish_reason
+        self.stop_reason = d.stop_reason if d.finish_reason else self.stop_reason
+        self.num_prompt_tokens = d.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+
+
+async def collect(deltas: AsyncIterator[SequenceDelta], num_choices: int) -> list[ChoiceResult]:
+    """Drain the merged stream into one result per choice, ordered by index."""
+    results: dict[int, ChoiceResult] = {}
+    async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+        async for d in deltas:
+            results.setdefault(d.index, ChoiceResult(d.index, d.prompt_index)).add(d)
+    return [results.get(i, ChoiceResult(i, 0)) for i in range(num_choices)]
+
+
+@dataclass
+class UsageCounter:
+    """Token usage of one API call: prompts counted once, completions per choice."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt index
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, d: SequenceDelta) -> None:
+        self.prompt_tokens[d.prompt_index] = d.num_prompt_tokens
+        previous = self.cached_tokens.get(d.prompt_index, 0)
+        self.cached_tokens[d.prompt_index] = max(previous, d.num_cached_tokens)
+        self.completion_tokens += len(d.token_ids)
+
+    def as_dict(self) -> dict[str, object]:
+        prompt = sum(self.prompt_tokens.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }

@@ -1,0 +1,159 @@
+"""Prometheus metrics of the gateway, in a registry of its own (served at /metrics).
+
+Engine load figures arrive with every engine message; the cumulative ones (prefix cache,
+preemptions) are turned into counter increments, starting over when the engine restarts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from frontend_svc.engine_types import LoadFigures
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+
+
+class Metrics:
+    """All gateway metrics, labelled with the served model name."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, label = self.registry, ["model_name"]
+        self.running = Gauge(
+            "tandem:num_requests_running", "Requests running on the engine.", label, registry=r
+        )
+        self.waiting = Gauge(
+            "tandem:num_requests_waiting", "Requests waiting on the engine.", label, registry=r
+        )
+        self.kv_usage = Gauge(
+            "tandem:kv_cache_usage_perc", "KV cache usage (1 = full).", label, registry=r
+        )
+        self.prefix_queries = Counter(
+            "tandem:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            label,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "tandem:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            label,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "tandem:num_preemptions", "Engine preemptions.", label, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens", "Prompt tokens sent to the engine.", label, registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Tokens generated.", label, registry=r
+        )
+        self.request_success = Counter(
+            "tandem:request_success",
+            "Finished sequences by finish reason.",
+            [*label, "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Time to first token.",
+            label,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Time between successive engine outputs of a sequence.",
+            label,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "End-to-end sequence latency.",
+            label,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._last = LoadFigures()
+
+    def observe_load(self, load: LoadFigures) -> None:
+        m = self.model_name
+        self.running.labels(m).set(load.num_running)
+        self.waiting.labels(m).set(load.num_waiting)
+        self.kv_usage.labels(m).set(load.kv_cache_usage)
+        last = self._last
+        for counter, new, old in (
+            (self.prefix_queries, load.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_hits, load.prefix_cache_hits, last.prefix_cache_hits),
+            (self.preemptions, load.num_preemptions, last.num_preemptions),
+        ):
+            delta = new - old if new >= old else new  # a smaller total: the engine restarted
+            if delta:
+                counter.labels(m).inc(delta)
+        self._last = load
+
+    def observe_prompt(self, num_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_tokens)
+
+    def observe_tokens(self, num_tokens: int, since_last_s: float | None, first: bool) -> None:
+        """New tokens of one sequence; ``since_last_s`` is the TTFT (first) or the ITL."""
+        m = self.model_name
+        if num_tokens:
+            self.generation_tokens.labels(m).inc(num_tokens)
+        if since_last_s is not None:
+            (self.ttft if first else self.itl).labels(m).observe(since_last_s)
+
+    def observe_finished(self, finish_reason: str, e2e_s: float) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+        self.e2e.labels(self.model_name).observe(e2e_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

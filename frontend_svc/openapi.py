@@ -1,0 +1,168 @@
+"""The OpenAPI document served at /openapi.json (hand-written; request bodies are summarized)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "Invalid parameter or context length exceeded",
+        401: "Missing or bad API key",
+        404: "Unknown model",
+        429: "Engine queue full (see Retry-After)",
+        503: "Engine unavailable",
+    }
+    return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
+
+
+def _object(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": props}
+
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_TOKENS = {"type": "array", "items": _INT}
+_STOP = {"oneOf": [_STR, {"type": "array", "items": _STR}]}
+_STREAM_OPTIONS = _object([], include_usage=_BOOL)
+_SAMPLING: dict[str, dict[str, Any]] = {
+    "n": _INT,
+    "stop": _STOP,
+    "stream": _BOOL,
+    "stream_options": _STREAM_OPTIONS,
+    "temperature": _NUM,
+    "top_p": _NUM,
+    "top_k": _INT,
+    "min_p": _NUM,
+    "seed": _INT,
+    "presence_penalty": _NUM,
+    "frequency_penalty": _NUM,
+    "repetition_penalty": _NUM,
+    "min_tokens": _INT,
+    "ignore_eos": _BOOL,
+    "stop_token_ids": _TOKENS,
+    "include_stop_str_in_output": _BOOL,
+    "skip_special_tokens": _BOOL,
+}
+_GENERATION_RESPONSES = {
+    "200": {
+        "description": "A JSON response, or with stream=true an SSE stream of chunks "
+        "ending in `data: [DONE]`",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": _STR},
+        },
+    },
+    **_errors(400, 401, 404, 429, 503),
+}
+
+
+def openapi_schema(version: str) -> dict[str, Any]:
+    completion = _object(
+        ["model", "prompt"],
+        model=_STR,
+        prompt={
+            "oneOf": [
+                _STR,
+                {"type": "array", "items": _STR},
+                _TOKENS,
+                {"type": "array", "items": _TOKENS},
+            ]
+        },
+        max_tokens=_INT,
+        echo=_BOOL,
+        logprobs=_INT,
+        prompt_logprobs=_INT,
+        **_SAMPLING,
+    )
+    message = _object(["role"], role=_STR, content={"oneOf": [_STR, {"type": "array"}]})
+    chat = _object(
+        ["model", "messages"],
+        model=_STR,
+        messages={"type": "array", "items": message},
+        max_completion_tokens=_INT,
+        max_tokens=_INT,
+        logprobs=_BOOL,
+        top_logprobs=_INT,
+        add_generation_prompt=_BOOL,
+        chat_template_kwargs={"type": "object"},
+        **_SAMPLING,
+    )
+    tokenize = _object(
+        [],
+        model=_STR,
+        prompt=_STR,
+        messages={"type": "array", "items": message},
+        add_special_tokens=_BOOL,
+        add_generation_prompt=_BOOL,
+        return_token_strs=_BOOL,
+    )
+    detokenize = _object(["tokens"], model=_STR, tokens=_TOKENS)
+    ok = {"description": "OK"}
+
+    def post(summary: str, body: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, **_json(body)},
+                "responses": responses,
+            }
+        }
+
+    def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
+        return {"get": {"summary": summary, "responses": responses}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Tandem gateway (OpenAI-compatible)", "version": version},
+        "components": {
+            "schemas": {
+                "ErrorResponse": _object(
+                    ["error"],
+                    error=_object(
+                        ["message", "type"],
+                        message=_STR,
+                        type=_STR,
+                        param={"type": ["string", "null"]},
+                        code={"type": ["string", "integer", "null"]},
+                    ),
+                ),
+            },
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/models": get("List the served model", {"200": ok, **_errors(401, 503)}),
+            "/v1/completions": post("Create a completion", completion, _GENERATION_RESPONSES),
+            "/v1/chat/completions": post("Create a chat completion", chat, _GENERATION_RESPONSES),
+            "/tokenize": post(
+                "Tokenize a prompt or chat", tokenize, {"200": ok, **_errors(400, 401, 404, 503)}
+            ),
+            "/detokenize": post(
+                "Detokenize token ids", detokenize, {"200": ok, **_errors(400, 401, 404, 503)}
+            ),
+            "/health": {
+                "get": {
+                    "summary": "Engine connected",
+                    "security": [],
+                    "responses": {"200": ok, **_errors(503)},
+                }
+            },
+            "/live": {
+                "get": {"summary": "Process alive", "security": [], "responses": {"200": ok}}
+            },
+            "/metrics": {
+                "get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": ok}}
+            },
+            "/version": get("Gateway version", {"200": ok}),
+            "/openapi.json": get("This document", {"200": ok}),
+        },
+    }

@@ -1,0 +1,390 @@
+"""OpenAI request bodies validated into gateway domain objects.
+
+Every check names the offending parameter; unknown fields are ignored (clients send extras).
+Resolving ``max_tokens`` needs the prompt length, so it happens later (see ``generation``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from frontend_svc.engine_types import EngineSamplingParams
+from frontend_svc.errors import invalid_parameter
+
+MAX_N = 128
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+Prompt = str | tuple[int, ...]  # text, or token ids
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling as the client asked for it (n and stop strings are the gateway's job)."""
+
+    n: int = 1
+    max_tokens: int | None = None  # None: the rest of the context
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logprobs: int | None = None  # alternatives per output token; None: no logprobs
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def engine_params(self, max_tokens: int, index: int) -> EngineSamplingParams:
+        """Parameters of the ``index``-th of the n engine requests (seeds differ per index)."""
+        return EngineSamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + index,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompts: tuple[Prompt, ...]
+    echo: bool
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[dict[str, Any], ...]  # content flattened to strings
+    add_generation_prompt: bool
+    template_kwargs: dict[str, Any]
+    sampling: SamplingOptions
+    logprobs: bool
+    stream: bool
+    include_usage: bool
+    max_tokens_param: str  # which name the client used, for error messages
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None
+    messages: tuple[dict[str, Any], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    template_kwargs: dict[str, Any]
+    return_token_strs: bool
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    model: str | None
+    tokens: tuple[int, ...]
+
+
+class _Body:
+    """Typed accessors over a JSON object that raise 400s naming the field."""
+
+    def __init__(self, body: object) -> None:
+        if not isinstance(body, dict):
+            raise invalid_parameter("The request body must be a JSON object.", None)
+        self.d: dict[str, Any] = body
+
+    def present(self, name: str) -> bool:
+        return self.d.get(name) is not None
+
+    def str_(self, name: str, required: bool = False) -> str | None:
+        v = self.d.get(name)
+        if v is None:
+            if required:
+                raise invalid_parameter(f"'{name}' is required.", name)
+            return None
+        if not isinstance(v, str):
+            raise invalid_parameter(f"'{name}' must be a string.", name)
+        return v
+
+    def bool_(self, name: str, default: bool) -> bool:
+        v = self.d.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise invalid_parameter(f"'{name}' must be a boolean.", name)
+        return v
+
+    def int_(
+        self, name: str, lo: int | None = None, hi: int | None = None, default: int | None = None
+    ) -> int | None:
+        v = self.d.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise invalid_parameter(f"'{name}' must be an integer.", name)
+        _check_range(name, v, lo, hi)
+        return v
+
+    def float_(
+        self,
+        name: str,
+        lo: float | None = None,
+        hi: float | None = None,
+        default: float | None = None,
+        lo_open: bool = False,
+    ) -> float | None:
+        v = self.d.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise invalid_parameter(f"'{name}' must be a number.", name)
+        if lo_open and lo is not None and v <= lo:
+            raise invalid_parameter(f"'{name}' must be greater than {lo}, got {v}.", name)
+        _check_range(name, v, lo, hi)
+        return float(v)
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        v = self.d.get(name)
+        if v is None:
+            return ()
+        if not isinstance(v, list) or not all(_is_token_id(t) for t in v):
+            raise invalid_parameter(f"'{name}' must be a list of non-negative integers.", name)
+        return tuple(v)
+
+    def stop(self, name: str = "stop") -> tuple[str, ...]:
+        v = self.d.get(name)
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            return (v,) if v else ()
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return tuple(s for s in v if s)
+        raise invalid_parameter(f"'{name}' must be a string or a list of strings.", name)
+
+    def object_(self, name: str) -> dict[str, Any]:
+        v = self.d.get(name)
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise invalid_parameter(f"'{name}' must be an object.", name)
+        return v
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> None:
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        lo_s = "-inf" if lo is None else f"{lo:g}"
+        hi_s = "inf" if hi is None else f"{hi:g}"
+        raise invalid_parameter(f"'{name}' must be in [{lo_s}, {hi_s}], got {v}.", name)
+
+
+def _sampling(b: _Body, max_tokens_param: str, max_logprobs: int) -> SamplingOptions:
+    """The parameters shared by completions and chat (logprobs are read by each route)."""
+    for unsupported in ("logit_bias", "suffix", "tools", "functions"):
+        if b.d.get(unsupported) not in (None, {}, [], ""):
+            raise invalid_parameter(f"'{unsupported}' is not supported.", unsupported)
+    if b.int_("best_of", 1) not in (None, 1):
+        raise invalid_parameter("'best_of' other than 1 is not supported.", "best_of")
+    n = b.int_("n", 1, MAX_N, default=1)
+    max_tokens = b.int_(max_tokens_param, 1)
+    min_tokens = b.int_("min_tokens", 0, default=0)
+    assert n is not None and min_tokens is not None
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid_parameter(
+            f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens}).",
+            "min_tokens",
+        )
+    top_k = b.int_("top_k", -1, default=0)
+    seed = b.int_("seed", -(2**63), 2**63 - 1 - MAX_N)
+    prompt_logprobs = b.int_("prompt_logprobs", 0, max_logprobs)
+    return SamplingOptions(
+        n=n,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=b.float_("temperature", 0.0),
+        top_p=b.float_("top_p", 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k in (None, -1) else top_k,
+        min_p=b.float_("min_p", 0.0, 1.0, default=0.0) or 0.0,
+        seed=seed,
+        stop=b.stop(),
+        stop_token_ids=b.token_ids("stop_token_ids"),
+        ignore_eos=b.bool_("ignore_eos", False),
+        presence_penalty=b.float_("presence_penalty", -2.0, 2.0, default=0.0) or 0.0,
+        frequency_penalty=b.float_("frequency_penalty", -2.0, 2.0, default=0.0) or 0.0,
+        repetition_penalty=b.float_("repetition_penalty", 0.0, 2.0, lo_open=True),
+        prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=b.bool_("include_stop_str_in_output", False),
+        skip_special_tokens=b.bool_("skip_special_tokens", True),
+    )
+
+
+def _stream_options(b: _Body, stream: bool) -> bool:
+    """Return ``include_usage``."""
+    options = b.object_("stream_options")
+    if options and not stream:
+        raise invalid_parameter(
+            "'stream_options' is only allowed when 'stream' is true.", "stream_options"
+        )
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid_parameter(
+            "'stream_options.include_usage' must be a boolean.", "stream_options"
+        )
+    return include
+
+
+def parse_completion(body: object, max_logprobs: int) -> CompletionRequest:
+    b = _Body(body)
+    model = b.str_("model", required=True)
+    assert model is not None
+    sampling = _sampling(b, "max_tokens", max_logprobs)
+    logprobs = b.int_("logprobs", 0, max_logprobs)
+    echo = b.bool_("echo", False)
+    prompt_logprobs = sampling.prompt_logprobs
+    if echo and logprobs is not None:  # echoed prompt tokens carry logprobs too (OpenAI)
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    sampling = replace(sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    stream = b.bool_("stream", False)
+    return CompletionRequest(
+        model=model,
+        prompts=_prompts(b.d.get("prompt")),
+        echo=echo,
+        sampling=sampling,
+        stream=stream,
+        include_usage=_stream_options(b, stream),
+        add_special_tokens=b.bool_("add_special_tokens", True),
+    )
+
+
+def _prompts(v: object) -> tuple[Prompt, ...]:
+    bad = invalid_parameter(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists, and not empty.",
+        "prompt",
+    )
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, list) or not v:
+        raise bad
+    if all(isinstance(p, str) for p in v):
+        return tuple(v)
+    if all(_is_token_id(t) for t in v):
+        return (tuple(v),)
+    if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in v):
+        return tuple(tuple(p) for p in v)
+    raise bad
+
+
+def parse_chat(body: object, max_logprobs: int) -> ChatRequest:
+    b = _Body(body)
+    model = b.str_("model", required=True)
+    assert model is not None
+    max_tokens_param = (
+        "max_completion_tokens" if b.present("max_completion_tokens") else "max_tokens"
+    )
+    sampling = _sampling(b, max_tokens_param, max_logprobs)
+    logprobs = b.bool_("logprobs", False)
+    top_logprobs = b.int_("top_logprobs", 0, max_logprobs)
+    if top_logprobs is not None and not logprobs:
+        raise invalid_parameter("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    sampling = replace(sampling, logprobs=(top_logprobs or 0) if logprobs else None)
+    response_format = b.object_("response_format")
+    if response_format and response_format.get("type", "text") != "text":
+        raise invalid_parameter("Only the 'text' response format is supported.", "response_format")
+    stream = b.bool_("stream", False)
+    return ChatRequest(
+        model=model,
+        messages=_messages(b.d.get("messages")),
+        add_generation_prompt=b.bool_("add_generation_prompt", True),
+        template_kwargs=b.object_("chat_template_kwargs"),
+        sampling=sampling,
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=_stream_options(b, stream),
+        max_tokens_param=max_tokens_param,
+    )
+
+
+def _messages(v: object) -> tuple[dict[str, Any], ...]:
+    if not isinstance(v, list) or not v:
+        raise invalid_parameter("'messages' must be a non-empty list of messages.", "messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid_parameter(f"'{where}' must be an object.", "messages")
+        role = m.get("role")
+        if role not in _CHAT_ROLES:
+            raise invalid_parameter(
+                f"'{where}.role' must be one of {', '.join(_CHAT_ROLES)}.", "messages"
+            )
+        message = dict(m)
+        message["content"] = _content_text(m.get("content"), where)
+        out.append(message)
+    return tuple(out)
+
+
+def _content_text(content: object, where: str) -> str:
+    """Flatten OpenAI content (a string or a list of text parts) to one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise invalid_parameter(
+                    f"'{where}.content' may only hold text parts; this model takes no other input.",
+                    "messages",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid_parameter(f"'{where}.content' text parts need 'text'.", "messages")
+            texts.append(text)
+        return "\n".join(texts)
+    raise invalid_parameter(f"'{where}.content' must be a string or a list of parts.", "messages")
+
+
+def parse_tokenize(body: object) -> TokenizeRequest:
+    b = _Body(body)
+    has_messages = b.present("messages")
+    prompt = b.str_("prompt")
+    if (prompt is None) == (not has_messages):
+        raise invalid_parameter("Give exactly one of 'prompt' and 'messages'.", "prompt")
+    return TokenizeRequest(
+        model=b.str_("model"),
+        prompt=prompt,
+        messages=_messages(b.d["messages"]) if has_messages else None,
+        add_special_tokens=b.bool_("add_special_tokens", not has_messages),
+        add_generation_prompt=b.bool_("add_generation_prompt", True),
+        template_kwargs=b.object_("chat_template_kwargs"),
+        return_token_strs=b.bool_("return_token_strs", False),
+    )
+
+
+def parse_detokenize(body: object) -> DetokenizeRequest:
+    b = _Body(body)
+    if not isinstance(b.d.get("tokens"), list):
+        raise invalid_parameter("'tokens' must be a list of token ids.", "tokens")
+    return DetokenizeRequest(model=b.str_("model"), tokens=b.token_ids("tokens"))

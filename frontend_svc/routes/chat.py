@@ -1,0 +1,155 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend_svc.chat_template import ChatTemplateError, render_chat
+from frontend_svc.errors import invalid_parameter
+from frontend_svc.generation import (
+    ChoiceResult,
+    UsageCounter,
+    collect,
+    generate,
+    prepare_prompt,
+    random_id,
+)
+from frontend_svc.logprobs_format import chat_logprobs
+from frontend_svc.output_processor import SequenceDelta
+from frontend_svc.protocol import ChatRequest, parse_chat
+from frontend_svc.routes.common import gateway, read_json, stream_sse
+from frontend_svc.sse import ClientDisconnected, until_disconnected
+from frontend_svc.tokenizer import Tokenizer
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any],
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Render the chat template and tokenize (by default the template writes BOS itself)."""
+    if not tokenizer.chat_template:
+        raise invalid_parameter("The model has no chat template; use /v1/completions.", "messages")
+    try:
+        text = render_chat(
+            tokenizer.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tokenizer.special.bos_token,
+            eos_token=tokenizer.special.eos_token,
+            extra=template_kwargs,
+        )
+    except ChatTemplateError as e:
+        raise invalid_parameter(str(e), "messages") from e
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = gateway(request)
+    body = await read_json(request)
+    tokenizer, info = state.require_engine()
+    req = parse_chat(body, info.max_logprobs)
+    state.check_model(req.model)
+    ids = chat_prompt_ids(
+        tokenizer, list(req.messages), req.add_generation_prompt, req.template_kwargs
+    )
+    prepared = prepare_prompt(
+        ids,
+        req.sampling.max_tokens,
+        info.max_model_len,
+        info.vocab_size,
+        "messages",
+        req.max_tokens_param,
+    )
+    ctx = _Context(req, tokenizer, random_id("chatcmpl"), state.served_model_name or req.model)
+    deltas = generate(state, ctx.id, [prepared], req.sampling)
+    if req.stream:
+        return await stream_sse(
+            request, deltas, ctx.chunks, ctx.usage_chunk if req.include_usage else None
+        )
+    try:
+        results = await until_disconnected(request, collect(deltas, req.sampling.n))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(ctx.response(results))
+
+
+class _Context:
+    def __init__(self, req: ChatRequest, tokenizer: Tokenizer, request_id: str, model: str) -> None:
+        self.req = req
+        self.tok = tokenizer
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, entries: Any) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(self.tok, list(entries), self.req.sampling.logprobs or 0)
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._head("chat.completion.chunk")
+        chunk["choices"] = [choice]
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, d: SequenceDelta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if d.first:
+            out.append(
+                self._chunk(
+                    {
+                        "index": d.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            )
+        if d.text or d.finish_reason is not None or (self.req.logprobs and d.logprobs):
+            out.append(
+                self._chunk(
+                    {
+                        "index": d.index,
+                        "delta": {"content": d.text} if d.text else {},
+                        "logprobs": self._logprobs(d.logprobs),
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason,
+                    }
+                )
+            )
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._head("chat.completion.chunk")
+        chunk["choices"] = []
+        chunk["usage"] = usage
+        return chunk
+
+    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        usage = UsageCounter()
+        choices = []
+        for r in results:
+            usage.prompt_tokens[0] = r.num_prompt_tokens
+            usage.cached_tokens[0] = max(usage.cached_tokens.get(0, 0), r.num_cached_tokens)
+            usage.completion_tokens += len(r.token_ids)
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": self._logprobs(r.logprobs),
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason,
+                }
+            )
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage.as_dict()}

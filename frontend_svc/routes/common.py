@@ -1,0 +1,103 @@
+"""Helpers shared by the generation routes: body parsing, streaming plumbing, error mapping."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend_svc.errors import ApiError, from_engine_error, invalid_parameter
+from frontend_svc.gateway_state import GatewayState
+from frontend_svc.generation import UsageCounter
+from frontend_svc.output_processor import SequenceDelta
+from frontend_svc.sse import (
+    DONE_EVENT,
+    ClientDisconnected,
+    SSEResponse,
+    sse_event,
+    until_disconnected,
+)
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def gateway(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_parameter(f"The request body is not valid JSON: {e}", None) from e
+
+
+def as_api_error(error: Exception, retry_after_s: int) -> ApiError:
+    return error if isinstance(error, ApiError) else from_engine_error(error, retry_after_s)
+
+
+async def _chain(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+ChunkBuilder = Callable[[SequenceDelta], list[dict[str, Any]]]
+
+
+async def stream_sse(
+    request: Request,
+    deltas: AsyncIterator[SequenceDelta],
+    to_chunks: ChunkBuilder,
+    usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
+) -> Response:
+    """Start streaming once the first delta is in (so early engine errors get a real status).
+
+    Later errors become an error event; the stream always ends with ``data: [DONE]``.
+    """
+    state = gateway(request)
+    try:
+        first = await until_disconnected(request, deltas.__anext__())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        first = None
+
+    async def events() -> AsyncIterator[str]:
+        usage = UsageCounter()
+        try:
+            if first is not None:
+                async with _closing(deltas):
+                    async for delta in _chain(first, deltas):
+                        usage.add(delta)
+                        for chunk in to_chunks(delta):
+                            yield sse_event(chunk)
+            if usage_chunk is not None:
+                yield sse_event(usage_chunk(usage.as_dict()))
+        except Exception as e:
+            logger.info("stream failed after it began: %r", e)
+            yield sse_event(as_api_error(e, state.config.retry_after_s).body())
+        yield DONE_EVENT
+
+    return SSEResponse(events())
+
+
+class _closing:
+    """``contextlib.aclosing`` for any async iterator with ``aclose``."""
+
+    def __init__(self, it: AsyncIterator[Any]) -> None:
+        self._it = it
+
+    async def __aenter__(self) -> AsyncIterator[Any]:
+        return self._it
+
+    async def __aexit__(self, *exc: object) -> None:
+        aclose = getattr(self._it, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,177 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend_svc.engine_types import TokenLogprob
+from frontend_svc.generation import (
+    ChoiceResult,
+    UsageCounter,
+    collect,
+    generate,
+    prepare_prompt,
+    random_id,
+)
+from frontend_svc.logprobs_format import CompletionLogprobs
+from frontend_svc.output_processor import SequenceDelta
+from frontend_svc.protocol import CompletionRequest, parse_completion
+from frontend_svc.routes.common import gateway, read_json, stream_sse
+from frontend_svc.sse import ClientDisconnected, until_disconnected
+from frontend_svc.tokenizer import Tokenizer
+
+
+async def create_completion(request: Request) -> Response:
+    state = gateway(request)
+    body = await read_json(request)
+    tokenizer, info = state.require_engine()
+    req = parse_completion(body, info.max_logprobs)
+    state.check_model(req.model)
+    prompt_ids = [
+        list(p) if isinstance(p, tuple) else tokenizer.encode(p, req.add_special_tokens)
+        for p in req.prompts
+    ]
+    prepared = [
+        prepare_prompt(
+            ids,
+            req.sampling.max_tokens,
+            info.max_model_len,
+            info.vocab_size,
+            "prompt",
+            "max_tokens",
+        )
+        for ids in prompt_ids
+    ]
+    echo_texts = [
+        p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
+        for p in req.prompts
+    ]
+    ctx = _Context(
+        req,
+        tokenizer,
+        prompt_ids,
+        echo_texts,
+        random_id("cmpl"),
+        state.served_model_name or req.model,
+    )
+    deltas = generate(state, ctx.id, prepared, req.sampling)
+    if req.stream:
+        return await stream_sse(
+            request, deltas, ctx.chunks, ctx.usage_chunk if req.include_usage else None
+        )
+    try:
+        results = await until_disconnected(request, collect(deltas, len(prepared) * req.sampling.n))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(ctx.response(results))
+
+
+class _Context:
+    """Per-call state for building completion responses and chunks."""
+
+    def __init__(
+        self,
+        req: CompletionRequest,
+        tokenizer: Tokenizer,
+        prompt_ids: list[list[int]],
+        echo_texts: list[str],
+        request_id: str,
+        model: str,
+    ) -> None:
+        self.req = req
+        self.tok = tokenizer
+        self.prompt_ids = prompt_ids
+        self.echo_texts = echo_texts
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self._logprobs: dict[int, CompletionLogprobs] = {}
+
+    def _head(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _logprobs_for(
+        self,
+        index: int,
+        prompt_index: int,
+        first: bool,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: tuple[TokenLogprob, ...],
+    ) -> dict[str, Any] | None:
+        num_top = self.req.sampling.logprobs
+        if num_top is None:
+            return None
+        builder = self._logprobs.setdefault(index, CompletionLogprobs(self.tok, num_top))
+        ids: list[int] = []
+        entries: list[TokenLogprob | None] = []
+        if self.req.echo and first:
+            prompt = self.prompt_ids[prompt_index]
+            ids += prompt
+            entries += [None, *prompt_logprobs][: len(prompt)]
+            entries += [None] * (len(prompt) - len(entries))
+        ids += token_ids
+        entries += [*logprobs][: len(token_ids)]
+        entries += [None] * (len(ids) - len(entries))
+        return builder.build(ids, entries)
+
+    def chunks(self, d: SequenceDelta) -> list[dict[str, Any]]:
+        text = d.text
+        if self.req.echo and d.first:
+            text = self.echo_texts[d.prompt_index] + text
+        logprobs = self._logprobs_for(
+            d.index, d.prompt_index, d.first, list(d.token_ids), list(d.logprobs), d.prompt_logprobs
+        )
+        if not text and d.finish_reason is None and not (logprobs and logprobs["tokens"]):
+            return []
+        chunk = self._head()
+        chunk["choices"] = [
+            {
+                "index": d.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+        ]
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._head()
+        chunk["choices"] = []
+        chunk["usage"] = usage
+        return chunk
+
+    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        usage = UsageCounter()
+        choices = []
+        for r in results:
+            usage.prompt_tokens[r.prompt_index] = r.num_prompt_tokens
+            usage.cached_tokens[r.prompt_index] = max(
+                usage.cached_tokens.get(r.prompt_index, 0), r.num_cached_tokens
+            )
+            usage.completion_tokens += len(r.token_ids)
+            text = (self.echo_texts[r.prompt_index] if self.req.echo else "") + r.text
+            choices.append(
+                {
+                    "index": r.index,
+                    "text": text,
+                    "logprobs": self._logprobs_for(
+                        r.index, r.prompt_index, True, r.token_ids, r.logprobs, r.prompt_logprobs
+                    ),
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason,
+                }
+            )
+        return {**self._head(), "choices": choices, "usage": usage.as_dict()}

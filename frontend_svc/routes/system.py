@@ -1,0 +1,71 @@
+"""GET /v1/models, /health, /live, /version, /metrics and /openapi.json."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend_svc import __version__
+from frontend_svc.errors import engine_unavailable
+from frontend_svc.metrics import CONTENT_TYPE
+from frontend_svc.openapi import openapi_schema
+from frontend_svc.routes.common import gateway
+
+_STARTED = int(time.time())
+
+
+async def list_models(request: Request) -> Response:
+    state = gateway(request)
+    _, info = state.require_engine()
+    name = state.served_model_name or info.served_model_name
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": _STARTED,
+                    "owned_by": "tandem",
+                    "root": info.model_source or info.served_model_name,
+                    "parent": None,
+                    "max_model_len": info.max_model_len,
+                    "permission": [],
+                }
+            ],
+        }
+    )
+
+
+async def health(request: Request) -> Response:
+    """200 when the engine is connected (and its tokenizer loaded), else 503."""
+    state = gateway(request)
+    if state.ready:
+        return Response(status_code=200)
+    detail = state.client.last_error or f"not connected to {state.config.engine_address}"
+    return engine_unavailable(detail).response()
+
+
+async def live(request: Request) -> Response:
+    """The process is up (it may still be waiting for the engine)."""
+    return Response(status_code=200)
+
+
+async def version(request: Request) -> Response:
+    info = gateway(request).model_info
+    return JSONResponse(
+        {
+            "version": __version__,
+            "engine_version": info.engine_version if info else None,
+        }
+    )
+
+
+async def metrics(request: Request) -> Response:
+    return Response(gateway(request).metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema(__version__))

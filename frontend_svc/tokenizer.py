@@ -1,0 +1,96 @@
+"""The gateway's tokenizer: Hugging Face ``tokenizers`` plus tokenizer_config.json, no transformers.
+
+Built from the files the engine serves (GetTokenizer), in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from frontend_svc.engine_types import ModelInfo, TokenizerFiles
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos_token: str | None
+    eos_token: str | None
+
+
+class Tokenizer:
+    """Encode text to token ids and decode them back; knows the chat template."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        special: SpecialTokens,
+        chat_template: str | None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.special = special
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_files(cls, files: TokenizerFiles, info: ModelInfo | None = None) -> Tokenizer:
+        """Load from an in-memory tokenizer directory (needs tokenizer.json)."""
+        if "tokenizer.json" not in files.files:
+            raise ValueError(
+                "the engine's tokenizer has no tokenizer.json (only fast tokenizers are supported)"
+            )
+        tok = HFTokenizer.from_str(files.files["tokenizer.json"].decode("utf-8"))
+        config: dict[str, Any] = {}
+        if "tokenizer_config.json" in files.files:
+            config = json.loads(files.files["tokenizer_config.json"])
+        template = files.chat_template or _template_from(config, files)
+        special = SpecialTokens(
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+        )
+        if info is not None and special.bos_token is None and info.bos_token_id is not None:
+            special = SpecialTokens(tok.id_to_token(info.bos_token_id), special.eos_token)
+        if info is not None and special.eos_token is None and info.eos_token_ids:
+            special = SpecialTokens(special.bos_token, tok.id_to_token(info.eos_token_ids[0]))
+        return cls(tok, special, template, info.vocab_size if info is not None else None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(
+        self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True
+    ) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (what logprob entries show)."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary strings of the tokens (vLLM's ``token_strs``)."""
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+
+def _token_text(value: object) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _template_from(config: dict[str, Any], files: TokenizerFiles) -> str | None:
+    if "chat_template.jinja" in files.files:
+        return files.files["chat_template.jinja"].decode("utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        default = named.get("default")
+        return default if isinstance(default, str) else None
+    return None

@@ -1,0 +1,1 @@
+"""Tandem protobuf contract and generated stubs (see scripts/gen_protos.sh)."""

@@ -1,0 +1,1 @@
+"""Package `tandem.engine.v1`: engine.proto and its generated Python stubs."""

@@ -1,0 +1,342 @@
+"""A real grpc.aio server implementing engine.proto with a scripted, deterministic "model".
+
+The model writes ``SCRIPT`` over and over (starting at an offset derived from the seed), one
+token per engine step, for every running request. It honours max_tokens, min_tokens,
+stop_token_ids, logprobs, prompt_logprobs, aborts and a request limit (queue full), and it
+exposes what happened (requests in flight, aborted ids) so tests can assert on it.
+
+It runs on its own event loop in a background thread, so synchronous tests (openai client,
+httpx) can drive the gateway against it; ``stop()`` kills every stream like a crashed engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
+
+SCRIPT = "Hello world! The quick brown fox jumps over the lazy dog. Café ☕ 日本語. "
+MODEL_NAME = "tiny-fake"
+_CHUNK_BYTES = 4096  # small, to exercise reassembly of tokenizer files
+
+
+@dataclass
+class _Running:
+    request_id: str
+    prompt: list[int]
+    params: pb.SamplingParams
+    max_tokens: int
+    sink: asyncio.Queue[pb.EngineCoreOutputs]
+    offset: int
+    cached: int
+    output: list[int] = field(default_factory=list)
+    first: bool = True
+
+
+class FakeEngine:
+    """The scripted engine; ``start()`` serves it on 127.0.0.1 in a background thread."""
+
+    def __init__(
+        self,
+        tokenizer_dir: Path,
+        script_ids: list[int],
+        *,
+        vocab_size: int,
+        eos_token_id: int = 1,
+        max_model_len: int = 256,
+        step_s: float = 0.004,
+        max_requests: int = 64,
+        block_size: int = 4,
+    ) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.script = script_ids
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.step_s = step_s
+        self.max_requests = max_requests  # tests lower it to provoke queue-full errors
+        self.block_size = block_size
+        self.requests: dict[str, _Running] = {}
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self._seen_prompts: list[tuple[int, ...]] = []
+        self._queries = 0
+        self._hits = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+
+    # -- what tests look at -------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.requests)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, port: int = 0) -> int:
+        started = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            assert self._loop is not None
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._serve(port, started))
+
+        self._thread = threading.Thread(target=run, name="fake-engine", daemon=True)
+        self._thread.start()
+        if not started.wait(10):
+            raise RuntimeError("fake engine did not start")
+        return self.port
+
+    def stop(self) -> None:
+        """Stop at once, cancelling every stream (what clients see when an engine dies)."""
+        if self._loop is None or self._thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._thread.join(10)
+        self._loop.close()
+        self._loop = self._thread = None
+        self.requests.clear()
+
+    async def _serve(self, port: int, started: threading.Event) -> None:
+        self._server = grpc.aio.server()
+        pb_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        await self._server.start()
+        self._stopping = asyncio.Event()
+        stepper = asyncio.create_task(self._step_loop())
+        started.set()
+        await self._stopping.wait()
+        stepper.cancel()
+        await self._server.stop(grace=None)
+        # let grpc's own per-rpc tasks finish before the loop closes
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=2)
+
+    async def _shutdown(self) -> None:
+        self._stopping.set()
+
+    # -- the "model" --------------------------------------------------------------------------
+
+    def add(self, add: pb.AddRequest, sink: asyncio.Queue[pb.EngineCoreOutputs]) -> str | None:
+        """Admit a request, or put a RequestError into ``sink``. Returns the id if admitted."""
+        rid = add.request_id or uuid.uuid4().hex
+        p = add.sampling_params
+        prompt = list(add.prompt_token_ids)
+        error = None
+        if not prompt:
+            error = (pb.ERROR_CODE_INVALID_ARGUMENT, "prompt_token_ids must not be empty")
+        elif any(t >= self.vocab_size for t in prompt):
+            error = (pb.ERROR_CODE_INVALID_ARGUMENT, "prompt_token_ids has an id out of range")
+        elif rid in self.requests:
+            error = (pb.ERROR_CODE_DUPLICATE_REQUEST_ID, f"request id {rid} is in use")
+        elif len(self.requests) >= self.max_requests:
+            error = (pb.ERROR_CODE_RESOURCE_EXHAUSTED, "the waiting queue is full")
+        max_tokens = p.max_tokens if p.HasField("max_tokens") else self.max_model_len - len(prompt)
+        if error is None and len(prompt) + max_tokens > self.max_model_len:
+            error = (
+                pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+                f"{len(prompt)} + {max_tokens} tokens exceed max_model_len={self.max_model_len}",
+            )
+        if error is not None:
+            err = pb.RequestError(request_id=rid, code=error[0], message=error[1])
+            sink.put_nowait(pb.EngineCoreOutputs(errors=[err], load=self._load()))
+            return None
+        seed = p.seed if p.HasField("seed") else 0
+        cached = 0
+        if tuple(prompt) in self._seen_prompts:
+            cached = (len(prompt) - 1) // self.block_size * self.block_size
+        self._seen_prompts.append(tuple(prompt))
+        self._queries += len(prompt)
+        self._hits += cached
+        self.requests[rid] = _Running(
+            rid, prompt, p, max_tokens, sink, offset=seed % len(self.script), cached=cached
+        )
+        self.added.append(rid)
+        return rid
+
+    def abort(self, request_ids: list[str]) -> int:
+        n = 0
+        for rid in request_ids:
+            r = self.requests.pop(rid, None)
+            if r is None:
+                continue
+            n += 1
+            self.aborted.append(rid)
+            final = self._output(r, [], pb.FINISH_REASON_ABORT, None)
+            r.sink.put_nowait(pb.EngineCoreOutputs(outputs=[final], load=self._load()))
+        return n
+
+    async def _step_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            self.step()
+
+    def step(self) -> None:
+        by_sink: dict[int, tuple[asyncio.Queue[pb.EngineCoreOutputs], list[pb.RequestOutput]]] = {}
+        for r in list(self.requests.values()):
+            token = self.script[(r.offset + len(r.output)) % len(self.script)]
+            r.output.append(token)
+            p = r.params
+            finish, stop_reason = pb.FINISH_REASON_UNSPECIFIED, None
+            may_stop = len(r.output) >= p.min_tokens
+            if may_stop and token in p.stop_token_ids:
+                finish, stop_reason = pb.FINISH_REASON_STOP, token
+            elif may_stop and token == self.eos_token_id and not p.ignore_eos:
+                finish, stop_reason = pb.FINISH_REASON_STOP, token
+            elif len(r.output) >= r.max_tokens:
+                finish = pb.FINISH_REASON_LENGTH
+            if finish != pb.FINISH_REASON_UNSPECIFIED:
+                del self.requests[r.request_id]
+            entry = by_sink.setdefault(id(r.sink), (r.sink, []))
+            entry[1].append(self._output(r, [token], finish, stop_reason))
+        load = self._load()
+        for sink, outputs in by_sink.values():
+            sink.put_nowait(pb.EngineCoreOutputs(outputs=outputs, load=load, timestamp=time.time()))
+
+    def _output(
+        self, r: _Running, tokens: list[int], finish: int, stop_reason: int | None
+    ) -> pb.RequestOutput:
+        out = pb.RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=tokens,
+            finish_reason=finish,  # type: ignore[arg-type]
+            num_cached_tokens=r.cached,
+            num_prompt_tokens=len(r.prompt),
+        )
+        if stop_reason is not None:
+            out.stop_reason = stop_reason
+        if r.params.HasField("logprobs"):
+            out.logprobs.extend(self._logprob(t, r.params.logprobs) for t in tokens)
+        if r.first and r.params.HasField("prompt_logprobs"):
+            k = r.params.prompt_logprobs
+            out.prompt_logprobs.extend(self._logprob(t, k, -1.0) for t in r.prompt[1:])
+        r.first = False
+        return out
+
+    def _logprob(self, token: int, k: int, logprob: float = -0.25) -> pb.TokenLogprob:
+        top = [pb.TopLogprob(token_id=token, logprob=logprob)]
+        top += [
+            pb.TopLogprob(token_id=(token + i) % self.vocab_size, logprob=logprob - 1.0 - i)
+            for i in range(1, k)
+        ]
+        return pb.TokenLogprob(token_id=token, logprob=logprob, rank=1, top_logprobs=top[:k])
+
+    def _load(self) -> pb.LoadStats:
+        return pb.LoadStats(
+            num_running_requests=len(self.requests),
+            num_waiting_requests=0,
+            kv_cache_usage=min(1.0, len(self.requests) / 64),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            num_preemptions=0,
+        )
+
+
+class _Servicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    async def Stream(  # noqa: N802 (the rpc's name)
+        self, request_iterator: AsyncIterator[pb.EngineCoreRequest], context: object
+    ) -> AsyncIterator[pb.EngineCoreOutputs]:
+        engine = self.engine
+        sink: asyncio.Queue[pb.EngineCoreOutputs] = asyncio.Queue()
+        owned: set[str] = set()
+
+        async def read() -> None:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "add":
+                    rid = engine.add(message.add, sink)
+                    if rid is not None:
+                        owned.add(rid)
+                elif kind == "abort":
+                    engine.abort(list(message.abort.request_ids))
+
+        reader = asyncio.create_task(read())
+        get: asyncio.Future[pb.EngineCoreOutputs] | None = None
+        try:
+            while True:
+                get = asyncio.ensure_future(sink.get())
+                await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                break  # the client half-closed: closing the stream aborts what it carried
+        finally:
+            reader.cancel()
+            if get is not None:
+                get.cancel()
+            engine.abort([rid for rid in owned if rid in engine.requests])
+
+    async def Generate(  # noqa: N802
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        sink: asyncio.Queue[pb.EngineCoreOutputs] = asyncio.Queue()
+        rid = self.engine.add(request.request, sink)
+        try:
+            while True:
+                message = await sink.get()
+                if message.errors:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.errors[0].message)
+                for out in message.outputs:
+                    yield pb.GenerateResponse(output=out, load=message.load)
+                    if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        return
+        finally:
+            if rid is not None:
+                self.engine.abort([rid])
+
+    async def Abort(  # noqa: N802
+        self, request: pb.AbortRequest, context: object
+    ) -> pb.AbortResponse:
+        return pb.AbortResponse(num_aborted=self.engine.abort(list(request.request_ids)))
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: pb.GetModelInfoRequest, context: object
+    ) -> pb.GetModelInfoResponse:
+        e = self.engine
+        return pb.GetModelInfoResponse(
+            served_model_name=MODEL_NAME,
+            max_model_len=e.max_model_len,
+            vocab_size=e.vocab_size,
+            eos_token_ids=[e.eos_token_id],
+            bos_token_id=0,
+            block_size=e.block_size,
+            num_kv_blocks=64,
+            kv_capacity_tokens=64 * e.block_size,
+            max_logprobs=5,
+            model_source="scripted fake engine",
+            engine_version="fake-0",
+        )
+
+    async def GetTokenizer(  # noqa: N802
+        self, request: pb.GetTokenizerRequest, context: object
+    ) -> AsyncIterator[pb.GetTokenizerResponse]:
+        import json
+
+        config = json.loads((self.engine.tokenizer_dir / "tokenizer_config.json").read_text())
+        yield pb.GetTokenizerResponse(chat_template=config.get("chat_template", ""))
+        for path in sorted(self.engine.tokenizer_dir.iterdir()):
+            data = path.read_bytes()
+            for i in range(0, max(len(data), 1), _CHUNK_BYTES):
+                yield pb.GetTokenizerResponse(file_name=path.name, data=data[i : i + _CHUNK_BYTES])

@@ -1,0 +1,38 @@
+"""Architecture rules: the gateway never imports torch; only the engine client sees protobuf."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_gateway_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "import frontend_svc, frontend_svc.app, frontend_svc.__main__\n"
+        "from frontend_svc.app import build_app\n"
+        "from frontend_svc.config import FrontendConfig\n"
+        "build_app(FrontendConfig())\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'numpy'))\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_only_the_engine_client_imports_the_stubs() -> None:
+    importers = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "frontend_svc").rglob("*.py")
+        if "protos.tandem" in p.read_text() or "engine_pb2" in p.read_text()
+    )
+    assert importers == ["frontend_svc/engine_client.py"]

@@ -1,0 +1,38 @@
+"""Flags and TANDEM_* environment variables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from frontend_svc.config import config_from_args
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_environment_defaults_and_flag_overrides() -> None:
+    env = {
+        "TANDEM_ENGINE": "engine:7000",
+        "TANDEM_PORT": "9000",
+        "TANDEM_API_KEY": "k",
+        "TANDEM_SERVED_MODEL_NAME": "m",
+    }
+    c = config_from_args([], env)
+    assert (c.engine_address, c.port, c.api_key, c.served_model_name) == (
+        "engine:7000",
+        9000,
+        "k",
+        "m",
+    )
+    c = config_from_args(["--engine", "e2:1", "--port", "8001", "--host", "0.0.0.0"], env)
+    assert (c.engine_address, c.port, c.host) == ("e2:1", 8001, "0.0.0.0")
+    assert config_from_args([], {}).api_key is None
+
+
+def test_module_entry_point_help() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "frontend_svc", "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0 and "--engine" in r.stdout and "--served-model-name" in r.stdout

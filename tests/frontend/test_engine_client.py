@@ -1,0 +1,70 @@
+"""EngineClient against the fake engine: demultiplexing, per-request errors, abort on close."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from frontend_svc.config import BackoffConfig
+from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_types import (
+    EngineErrorCode,
+    EngineRequest,
+    EngineRequestError,
+    EngineSamplingParams,
+    EngineUnavailableError,
+    FinishReason,
+)
+from tests.frontend.fake_engine import FakeEngine
+from tests.frontend.harness import wait_for
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def request(rid: str, prompt: tuple[int, ...] = (5, 6, 7), **params: object) -> EngineRequest:
+    return EngineRequest(rid, prompt, EngineSamplingParams(**params))  # type: ignore[arg-type]
+
+
+async def _collect(client: EngineClient, req: EngineRequest) -> list[int]:
+    tokens: list[int] = []
+    async with contextlib.aclosing(client.generate(req)) as outputs:
+        async for out in outputs:
+            tokens.extend(out.new_token_ids)
+            last = out
+    assert last.finish_reason is FinishReason.LENGTH
+    return tokens
+
+
+def test_demux_errors_and_abort(engine: FakeEngine) -> None:
+    async def scenario() -> None:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2))
+        client.start()
+        assert await client.wait_connected(5)
+        assert client.model_info is not None and client.model_info.max_model_len == 256
+
+        # a bad request fails alone; the good ones on the same stream carry on
+        bad = _collect(client, request("bad", prompt=()))
+        results = await asyncio.gather(
+            _collect(client, request("a", max_tokens=5)),
+            _collect(client, request("b", max_tokens=7, seed=3)),
+            bad,
+            return_exceptions=True,
+        )
+        assert [len(r) for r in results[:2]] == [5, 7]  # type: ignore[arg-type]
+        assert isinstance(results[2], EngineRequestError)
+        assert results[2].code is EngineErrorCode.INVALID_ARGUMENT
+
+        # closing a generator early aborts the request on the engine
+        gen = client.generate(request("c", max_tokens=200))
+        await gen.__anext__()
+        await gen.aclose()
+        await asyncio.to_thread(wait_for, lambda: "c" in engine.aborted, 5, "abort of c")
+        assert client.num_in_flight == 0
+
+        await client.close()
+        with pytest.raises(EngineUnavailableError):
+            await client.generate(request("d")).__anext__()
+
+    asyncio.run(scenario())
