@@ -49,6 +49,14 @@ class EngineCore:
             max_len = config.model.max_model_len
         self.runner = ModelRunner(config, max_len)
         layout = self.runner.layout
+        if layout.num_tokens < max_len:
+            # A request longer than the whole cache could never finish: it would preempt itself
+            # forever. Serve a shorter context instead, and say so.
+            logger.warning(
+                "KV cache holds %d tokens < max_model_len %d: serving max_model_len=%d",
+                layout.num_tokens, max_len, layout.num_tokens,
+            )
+            max_len = layout.num_tokens
         self.kv = KVCacheManager(
             layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching
         )

@@ -69,13 +69,17 @@ class KVCacheManager:
             )
         return hashes
 
+    def _uses_cache(self, request: Request) -> bool:
+        # Prompt logprobs need logits at every prompt position: such requests compute it all.
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of the request's leading full blocks already in the prefix cache.
 
         At least one token is always left to compute, so the model produces logits for the
         next token even when the whole prompt is cached.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._uses_cache(request):
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -85,8 +89,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -115,6 +117,10 @@ class KVCacheManager:
         if num_needed + num_revived > self.pool.num_free_blocks:
             return None
 
+        if not blocks and self._uses_cache(request):
+            # Counted once per admission, not per look-up of a request that did not fit.
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(computed_blocks) * self.block_size
         if computed_blocks:
             self.pool.touch(computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0))

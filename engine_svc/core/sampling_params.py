@@ -48,7 +48,7 @@ class SamplingParams:
     def verify(self, max_n: int = 128) -> None:
         """Raise ``ValueError`` naming the first invalid parameter."""
         _check(
-            isinstance(self.n, int) and 1 <= self.n <= max_n,
+            _is_int(self.n) and 1 <= self.n <= max_n,
             "n",
             f"must be in [1, {max_n}]",
             self.n,

@@ -134,3 +134,14 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(tmp_path)
+
+
+def test_context_is_capped_at_kv_capacity(tiny_models: dict[str, Path]) -> None:
+    """A cache smaller than the context would let one request preempt itself forever."""
+    small = LLM(tiny_models["llama"], dtype="float32", num_kv_blocks=4)  # 64 tokens
+    assert small.engine.info.max_model_len == 64
+    out = small.generate(
+        [_p(60, 3)], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4  # 60 + 4 = 64
+    assert small.engine.kv.num_free_blocks == 4
