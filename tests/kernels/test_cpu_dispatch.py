@@ -1,0 +1,90 @@
+"""CPU checks around the CUDA kernels: the new torch references equal the model's own layers,
+the default path never touches CUDA or CuPy, and the wrappers reject bad inputs before launch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_svc import envs
+from engine_svc.models.layers import RMSNorm, RotaryEmbedding
+from kernels import cuda, cuda_ops, ops
+from kernels import reference_norm_rope as ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_references_equal_the_layer(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(96, dtype=dtype) * 0.1)
+    x, res = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
+    out, summed = norm(x, res)
+    got_out, got_sum = ref.fused_add_rms_norm(x, res, norm.weight, 1e-6)
+    assert torch.equal(got_out, out) and torch.equal(got_sum, summed)
+    assert torch.equal(ref.rms_norm(x, norm.weight, 1e-6), norm.norm(x))
+    assert torch.equal(ops.fused_add_rms_norm(x, res, norm.weight, 1e-6)[0], out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_reference_equals_the_layer(dtype: torch.dtype) -> None:
+    rope = RotaryEmbedding(24, 512, {"rope_theta": 10000.0})
+    positions = torch.randint(0, 512, (7,))
+    qkv = torch.randn(7, (4 + 2 * 2) * 24, dtype=dtype)
+    q, k = qkv[:, : 4 * 24].view(7, 4, 24), qkv[:, 4 * 24 : 6 * 24].view(7, 2, 24)
+    want_q, want_k = rope(positions, q, k)
+    ops.rotary_embedding(positions, q, k, rope.cos, rope.sin)  # in place, through the views
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_cuda_kernels_are_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_CUDA_KERNELS", raising=False)
+    assert not envs.cuda_kernels_enabled()
+    monkeypatch.setenv("TANDEM_CUDA_KERNELS", "1")
+    assert envs.cuda_kernels_enabled()
+    # CPU tensors stay on the references even when enabled.
+    x = torch.randn(3, 8)
+    assert torch.equal(ops.rms_norm(x, torch.ones(8), 1e-6), ref.rms_norm(x, torch.ones(8), 1e-6))
+
+
+def test_cpu_path_never_imports_cupy() -> None:
+    code = (
+        "import sys, torch, kernels, kernels.ops, kernels.cuda_ops\n"
+        "from engine_svc.models import llama\n"
+        "kernels.ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
+        "assert 'cupy' not in sys.modules, 'cupy imported'\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {"TANDEM_CUDA_KERNELS": "1", "PATH": "", "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
+
+
+def test_missing_cupy_is_a_clear_import_error() -> None:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("CuPy is installed")
+    with pytest.raises(ImportError, match="tandem\\[gpu\\]"):
+        cuda.import_cupy()
+
+
+def test_wrappers_reject_cpu_tensors_and_bad_shapes() -> None:
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    k = torch.zeros(3, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        cuda_ops.write_kv_cache(k, k, kc, kc, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        cuda_ops.rms_norm(k, torch.ones(64, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cuda_ops.check_head_dim(20, torch.bfloat16, prefill=False)
+    with pytest.raises(ValueError, match="at most 128"):
+        cuda_ops.check_head_dim(256, torch.float32, prefill=True)
+    cuda_ops.check_head_dim(24, torch.float16, prefill=True)
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        cuda_ops._suffix(torch.float64)
