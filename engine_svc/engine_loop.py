@@ -209,6 +209,9 @@ class EngineLoop:
     def _abort(self, item: _Abort) -> None:
         """Abort in the engine; each owner still listening gets a final ABORT output."""
         self.core.abort_requests(item.internal_ids)
+        # Aborts free blocks and slots outside a step: refresh the gauges now, or an idle
+        # engine keeps reporting (and admitting against) the figures of its last step.
+        self.load.update(self.core.scheduler.stats())
         batches: dict[str, ClientBatch] = {}
         with self._lock:
             for i in item.internal_ids:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -136,10 +137,15 @@ class EngineServicer(pb_grpc.EngineServicer):
         def sink(batch: ClientBatch) -> None:
             aio_loop.call_soon_threadsafe(inbox.put_nowait, batch)
 
+        add = request.request
+        if not add.request_id:  # the contract lets Generate callers leave it to the engine
+            add = pb.AddRequest()
+            add.CopyFrom(request.request)
+            add.request_id = f"gen-{uuid.uuid4().hex}"
         self.loop.register(client, sink)
         try:
             try:
-                self._submit(client, request.request)
+                self._submit(client, add)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except QueueFull as e:
