@@ -34,6 +34,25 @@ class ModelInfo:
     num_kv_blocks: int
     max_logprobs: int
 
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ``ValueError`` naming the problem with a prompt this model cannot take.
+
+        Pure and thread-safe: the gRPC layer calls it to answer at once, before queueing.
+        """
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{bad[:5]}"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the model's context length is "
+                f"{self.max_model_len} and at least one token must be generated"
+            )
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -54,7 +73,9 @@ class EngineCore:
             # forever. Serve a shorter context instead, and say so.
             logger.warning(
                 "KV cache holds %d tokens < max_model_len %d: serving max_model_len=%d",
-                layout.num_tokens, max_len, layout.num_tokens,
+                layout.num_tokens,
+                max_len,
+                layout.num_tokens,
             )
             max_len = layout.num_tokens
         self.kv = KVCacheManager(
@@ -84,14 +105,7 @@ class EngineCore:
     ) -> Request:
         """Validate and queue a request. Raises ``ValueError`` naming the problem."""
         info = self.info
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains ids outside the vocabulary [0, {info.vocab_size}): "
-                f"{bad[:5]}"
-            )
+        info.check_prompt(prompt_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > info.max_logprobs:

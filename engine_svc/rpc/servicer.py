@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from engine_svc.core.engine_core import ModelInfo
+from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_loop import ClientBatch, Draining, EngineLoop, QueueFull
 from engine_svc.rpc import convert
 from protos.tandem.engine.v1 import engine_pb2 as pb
@@ -49,25 +52,13 @@ class EngineServicer(pb_grpc.EngineServicer):
         self.version = version
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, add: pb.AddRequest) -> tuple[str, list[int], object]:
+    def _validate(self, add: pb.AddRequest) -> tuple[str, list[int], SamplingParams]:
         """Raise ValueError naming the bad field; returns (id, prompt, SamplingParams)."""
         if not add.request_id:
             raise ValueError("request_id must not be empty")
         prompt = list(add.prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
+        self.info.check_prompt(prompt)
         params = convert.sampling_params_from_pb(add.sampling_params, self.info.max_logprobs)
-        bad = [t for t in prompt if t >= self.info.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains ids outside the vocabulary "
-                f"[0, {self.info.vocab_size}): {bad[:5]}"
-            )
-        if len(prompt) >= self.info.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; the model's context length is "
-                f"{self.info.max_model_len} and at least one token must be generated"
-            )
         return add.request_id, prompt, params
 
     def _submit(self, client: str, add: pb.AddRequest) -> None:
@@ -76,7 +67,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             client,
             rid,
             prompt,
-            params,  # type: ignore[arg-type]
+            params,
             arrival_time=add.arrival_time or None,
             priority=add.priority,
         )
@@ -154,8 +145,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             while True:
                 batch = await inbox.get()
-                for rid, err in batch.errors:
-                    del rid
+                for _, err in batch.errors:
                     code = (
                         grpc.StatusCode.INVALID_ARGUMENT
                         if isinstance(err, ValueError)
@@ -204,8 +194,6 @@ class EngineServicer(pb_grpc.EngineServicer):
 
 
 def _chat_template(model_dir: Path) -> str:
-    import json
-
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
@@ -217,8 +205,6 @@ def _chat_template(model_dir: Path) -> str:
 
 
 def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:
-    import time
-
     msg = pb.EngineCoreOutputs(
         outputs=[convert.output_to_pb(o) for o in batch.outputs],
         errors=[

@@ -281,16 +281,13 @@ class ModelRunner:
             )
             n = req.sampling_params.prompt_logprobs or 0
             chosen, ranks, top_ids, top_lp = gather_logprobs(logprobs, targets, n)
-            for i, (tok, c, rk, ids, lps) in enumerate(
-                zip(
-                    targets.tolist(),
-                    chosen.tolist(),
-                    ranks.tolist(),
-                    top_ids.tolist(),
-                    top_lp.tolist(),
-                    strict=True,
-                )
+            for tok, c, rk, ids, lps in zip(
+                targets.tolist(),
+                chosen.tolist(),
+                ranks.tolist(),
+                top_ids.tolist(),
+                top_lp.tolist(),
+                strict=True,
             ):
-                del i
                 entries.append(Logprobs(tok, c, rk, dict(zip(ids, lps, strict=True))))
         out.prompt_logprobs[req.request_id] = entries
