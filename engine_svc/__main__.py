@@ -34,11 +34,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA: require client certificates (mTLS)")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="extra plaintext port serving only grpc.health.v1 (for probes that cannot do TLS)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from engine_svc.rpc.tls import TlsConfig
+
+    try:
+        tls = TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        raise SystemExit(f"python -m engine_svc: error: {e}") from None
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -84,7 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     core = EngineCore(config)
     asyncio.run(
-        serve(core, model, args.host, args.port, args.max_waiting, args.shutdown_timeout, VERSION)
+        serve(
+            core,
+            model,
+            args.host,
+            args.port,
+            args.max_waiting,
+            args.shutdown_timeout,
+            VERSION,
+            tls=tls,
+            health_port=args.health_port,
+        )
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_svc.core.engine_core import EngineCore
+from engine_svc.core.errors import DuplicateRequestError
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams
@@ -125,7 +126,7 @@ class EngineLoop:
         internal = f"{client}/{request_id}"
         with self._lock:
             if internal in self._owner:
-                raise ValueError(f"request_id {request_id!r} is already in flight")
+                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
             if self.load.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFull(f"the engine's waiting queue is full ({self.max_waiting} requests)")
             self._pending_adds += 1

@@ -46,11 +46,11 @@ def build_app(config: FrontendConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state.client.start()
+        state.engines.start()
         try:
             yield
         finally:
-            await state.client.close()
+            await state.engines.close()
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

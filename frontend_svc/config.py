@@ -27,10 +27,45 @@ class BackoffConfig:
 
 
 @dataclass(frozen=True)
+class TlsClientConfig:
+    """PEM paths for TLS to the engines: the CA that signed them, and our pair for mTLS."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None  # checked against the engine certificate instead of the host
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("--tls-cert and --tls-key go together (the gateway's client pair)")
+        if self.ca is None and self.cert is not None:
+            raise ValueError("--tls-cert needs --tls-ca (the CA that signed the engine)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a request picks one of several engines (see ``frontend_svc.routing``)."""
+
+    resolve_interval_s: float = 10.0  # how often dns:/// engine names are looked up again
+    affinity_min_tokens: int = 64  # shared prompt prefix that makes affinity worth it; 0: off
+    affinity_max_imbalance: int = 8  # extra requests the affine engine may carry over the least
+
+    def __post_init__(self) -> None:
+        if self.resolve_interval_s <= 0:
+            raise ValueError("--engine-resolve-interval must be > 0")
+        if self.affinity_min_tokens < 0 or self.affinity_max_imbalance < 0:
+            raise ValueError("prefix-affinity settings must be >= 0")
+
+
+@dataclass(frozen=True)
 class FrontendConfig:
     """Everything the gateway needs to start; built once at startup."""
 
-    engine_address: str = "127.0.0.1:50051"
+    engine_address: str = "127.0.0.1:50051"  # HOST:PORT, a comma list, or dns:///NAME:PORT
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -39,6 +74,8 @@ class FrontendConfig:
     retry_after_s: int = 1  # Retry-After sent with 429 responses
     engine_rpc_timeout_s: float = 10.0  # for the unary rpcs made while connecting
     log_level: str = "info"
+    tls: TlsClientConfig = TlsClientConfig()
+    routing: RoutingConfig = RoutingConfig()
 
 
 def _env(environ: Mapping[str, str], name: str, default: str | None) -> str | None:
@@ -57,7 +94,8 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
     p.add_argument(
         "--engine",
         default=_env(env, "ENGINE", d.engine_address),
-        help="engine gRPC address HOST:PORT (env TANDEM_ENGINE)",
+        help="engine gRPC address HOST:PORT, several separated by commas, or dns:///NAME:PORT "
+        "(every address NAME resolves to, looked up again periodically) (env TANDEM_ENGINE)",
     )
     p.add_argument("--host", default=_env(env, "HOST", d.host), help="env TANDEM_HOST")
     p.add_argument("--port", type=int, default=int(_env(env, "PORT", str(d.port)) or d.port))
@@ -83,6 +121,38 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         default=int(_env(env, "RETRY_AFTER_S", str(d.retry_after_s)) or d.retry_after_s),
         help="Retry-After seconds sent with 429 responses (env TANDEM_RETRY_AFTER_S)",
     )
+    p.add_argument(
+        "--engine-resolve-interval",
+        type=float,
+        default=float(_env(env, "ENGINE_RESOLVE_INTERVAL", "") or d.routing.resolve_interval_s),
+        help="seconds between DNS lookups of dns:/// engines (env TANDEM_ENGINE_RESOLVE_INTERVAL)",
+    )
+    p.add_argument(
+        "--prefix-affinity-min-tokens",
+        type=int,
+        default=int(_env(env, "PREFIX_AFFINITY_MIN_TOKENS", "") or d.routing.affinity_min_tokens),
+        help="send a request to the engine that saw its prompt prefix when at least this many "
+        "tokens match; 0 turns affinity off (env TANDEM_PREFIX_AFFINITY_MIN_TOKENS)",
+    )
+    p.add_argument(
+        "--prefix-affinity-max-imbalance",
+        type=int,
+        default=int(
+            _env(env, "PREFIX_AFFINITY_MAX_IMBALANCE", "") or d.routing.affinity_max_imbalance
+        ),
+        help="prefix affinity yields to the least-loaded engine once the affine one carries this "
+        "many more requests (env TANDEM_PREFIX_AFFINITY_MAX_IMBALANCE)",
+    )
+    p.add_argument("--tls-ca", default=_env(env, "TLS_CA", None), help="PEM CA of the engines")
+    p.add_argument(
+        "--tls-cert", default=_env(env, "TLS_CERT", None), help="PEM client certificate (mTLS)"
+    )
+    p.add_argument("--tls-key", default=_env(env, "TLS_KEY", None), help="PEM client key (mTLS)")
+    p.add_argument(
+        "--tls-server-name",
+        default=_env(env, "TLS_SERVER_NAME", None),
+        help="name to verify in the engine certificate (default: the host of --engine)",
+    )
     p.add_argument("--log-level", default=_env(env, "LOG_LEVEL", d.log_level))
     return p
 
@@ -91,8 +161,18 @@ def config_from_args(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> FrontendConfig:
     """Parse flags (falling back to the environment) into a :class:`FrontendConfig`."""
-    args = build_arg_parser(environ).parse_args(argv)
+    parser = build_arg_parser(environ)
+    args = parser.parse_args(argv)
     initial = min(BackoffConfig().initial_s, args.reconnect_max_s)
+    try:
+        tls = TlsClientConfig(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        routing = RoutingConfig(
+            args.engine_resolve_interval,
+            args.prefix_affinity_min_tokens,
+            args.prefix_affinity_max_imbalance,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     return FrontendConfig(
         engine_address=args.engine,
         host=args.host,
@@ -102,4 +182,6 @@ def config_from_args(
         backoff=BackoffConfig(initial_s=initial, max_s=args.reconnect_max_s),
         retry_after_s=args.retry_after_s,
         log_level=args.log_level,
+        tls=tls,
+        routing=routing,
     )

@@ -65,8 +65,12 @@ class EngineClient:
         rpc_timeout_s: float = 10.0,
         on_connect: OnConnect | None = None,
         on_load: OnLoad | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.address = address
+        self._credentials = credentials
+        self._server_name = server_name
         self._backoff = backoff or BackoffConfig()
         self._rpc_timeout_s = rpc_timeout_s
         self._on_connect = on_connect
@@ -182,11 +186,20 @@ class EngineClient:
 
     async def _serve_connection(self) -> bool:
         """Connect, then pump the stream until it ends. Returns whether it got connected."""
-        options = [
+        options: list[tuple[str, str | int]] = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            # Pings on the open Stream find a dead engine (or network) within ~40 s; the
+            # engine accepts pings every 5 s or more.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
         ]
-        channel = grpc.aio.insecure_channel(self.address, options=options)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(self.address, options=options)
+        else:
+            if self._server_name:
+                options.append(("grpc.ssl_target_name_override", self._server_name))
+            channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
         outbox: asyncio.Queue[pb.EngineCoreRequest | None] = asyncio.Queue()
         connected = False
         try:

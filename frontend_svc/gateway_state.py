@@ -7,7 +7,7 @@ import hmac
 import logging
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_pool import EnginePool
 from frontend_svc.engine_types import ModelInfo, TokenizerFiles
 from frontend_svc.errors import engine_unavailable, model_not_found
 from frontend_svc.metrics import Metrics
@@ -17,19 +17,18 @@ logger = logging.getLogger(__name__)
 
 
 class GatewayState:
-    """Holds the engine connection and what was learned from the engine when it connected."""
+    """Holds the engine connections and what was learned from the engines when they connected."""
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self.metrics = Metrics(config.served_model_name or "")
         self.tokenizer: Tokenizer | None = None
         self.model_info: ModelInfo | None = None
-        self.client = EngineClient(
-            config.engine_address,
-            backoff=config.backoff,
-            rpc_timeout_s=config.engine_rpc_timeout_s,
+        self.engines = EnginePool(
+            config,
             on_connect=self._on_connect,
             on_load=self.metrics.observe_load,
+            on_route=self.metrics.observe_routed,
         )
 
     async def _on_connect(self, info: ModelInfo, files: TokenizerFiles) -> None:
@@ -45,7 +44,7 @@ class GatewayState:
 
     @property
     def ready(self) -> bool:
-        return self.client.connected and self.tokenizer is not None
+        return self.engines.connected and self.tokenizer is not None
 
     @property
     def served_model_name(self) -> str | None:
@@ -56,9 +55,7 @@ class GatewayState:
     def require_engine(self) -> tuple[Tokenizer, ModelInfo]:
         """The tokenizer and model info, or a 503 when the engine is not connected."""
         if not self.ready or self.tokenizer is None or self.model_info is None:
-            raise engine_unavailable(
-                self.client.last_error or f"not connected to {self.config.engine_address}"
-            )
+            raise engine_unavailable(self.engines.unavailable_reason())
         return self.tokenizer, self.model_info
 
     def check_model(self, model: str | None) -> None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_pool import EnginePool
 from frontend_svc.engine_types import EngineRequest, TokenLogprob
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.gateway_state import GatewayState
@@ -99,16 +99,16 @@ def generate(
                 index=index,
                 prompt_index=p_idx,
             )
-            streams.append(_run_sequence(state.client, engine_request, processor, state.metrics))
+            streams.append(_run_sequence(state.engines, engine_request, processor, state.metrics))
     return merge(streams)
 
 
 async def _run_sequence(
-    client: EngineClient, request: EngineRequest, processor: OutputProcessor, metrics: Metrics
+    engines: EnginePool, request: EngineRequest, processor: OutputProcessor, metrics: Metrics
 ) -> AsyncIterator[SequenceDelta]:
     start = last = time.monotonic()
     metrics.observe_prompt(len(request.prompt_token_ids))
-    async with contextlib.aclosing(client.generate(request)) as outputs:
+    async with contextlib.aclosing(engines.generate(request)) as outputs:
         async for out in outputs:
             now = time.monotonic()
             delta = processor.process(out)

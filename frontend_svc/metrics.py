@@ -1,7 +1,8 @@
 """Prometheus metrics of the gateway, in a registry of its own (served at /metrics).
 
-Engine load figures arrive with every engine message; the cumulative ones (prefix cache,
-preemptions) are turned into counter increments, starting over when the engine restarts.
+Engine load figures arrive with every engine message and are labelled with the engine's address
+(one gateway may front several engines); the cumulative ones (prefix cache, preemptions) are
+turned into counter increments, starting over when an engine restarts.
 """
 
 from __future__ import annotations
@@ -65,29 +66,36 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, label = self.registry, ["model_name"]
+        per_engine = [*label, "engine"]
         self.running = Gauge(
-            "tandem:num_requests_running", "Requests running on the engine.", label, registry=r
+            "tandem:num_requests_running", "Requests running on the engine.", per_engine, registry=r
         )
         self.waiting = Gauge(
-            "tandem:num_requests_waiting", "Requests waiting on the engine.", label, registry=r
+            "tandem:num_requests_waiting", "Requests waiting on the engine.", per_engine, registry=r
         )
         self.kv_usage = Gauge(
-            "tandem:kv_cache_usage_perc", "KV cache usage (1 = full).", label, registry=r
+            "tandem:kv_cache_usage_perc", "KV cache usage (1 = full).", per_engine, registry=r
         )
         self.prefix_queries = Counter(
             "tandem:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            label,
+            per_engine,
             registry=r,
         )
         self.prefix_hits = Counter(
             "tandem:prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
-            label,
+            per_engine,
             registry=r,
         )
         self.preemptions = Counter(
-            "tandem:num_preemptions", "Engine preemptions.", label, registry=r
+            "tandem:num_preemptions", "Engine preemptions.", per_engine, registry=r
+        )
+        self.routed = Counter(
+            "tandem:engine_requests",
+            "Sequences sent to each engine; affinity=true when sent for its cached prompt prefix.",
+            [*per_engine, "affinity"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "tandem:prompt_tokens", "Prompt tokens sent to the engine.", label, registry=r
@@ -122,14 +130,14 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self._last = LoadFigures()
+        self._last: dict[str, LoadFigures] = {}
 
-    def observe_load(self, load: LoadFigures) -> None:
+    def observe_load(self, engine: str, load: LoadFigures) -> None:
         m = self.model_name
-        self.running.labels(m).set(load.num_running)
-        self.waiting.labels(m).set(load.num_waiting)
-        self.kv_usage.labels(m).set(load.kv_cache_usage)
-        last = self._last
+        self.running.labels(m, engine).set(load.num_running)
+        self.waiting.labels(m, engine).set(load.num_waiting)
+        self.kv_usage.labels(m, engine).set(load.kv_cache_usage)
+        last = self._last.get(engine, LoadFigures())
         for counter, new, old in (
             (self.prefix_queries, load.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, load.prefix_cache_hits, last.prefix_cache_hits),
@@ -137,8 +145,11 @@ class Metrics:
         ):
             delta = new - old if new >= old else new  # a smaller total: the engine restarted
             if delta:
-                counter.labels(m).inc(delta)
-        self._last = load
+                counter.labels(m, engine).inc(delta)
+        self._last[engine] = load
+
+    def observe_routed(self, engine: str, affinity_tokens: int) -> None:
+        self.routed.labels(self.model_name, engine, str(affinity_tokens > 0).lower()).inc()
 
     def observe_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_tokens)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from engine_svc.config import EngineConfig
+from engine_svc.core.errors import ContextLengthError
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine_svc.core.request import FinishReason, Request
@@ -48,7 +49,7 @@ class ModelInfo:
                 f"{bad[:5]}"
             )
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt has {len(prompt_token_ids)} tokens; the model's context length is "
                 f"{self.max_model_len} and at least one token must be generated"
             )

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 
@@ -124,15 +125,15 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in use")
         if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt has {request.num_tokens} tokens; the model's context length is "
                 f"{self.config.max_model_len} and at least one token must be generated"
             )
         needed = -(-request.num_tokens // self.kv.block_size)
         if needed > self.kv.num_blocks:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt needs {needed} KV blocks but the cache only has {self.kv.num_blocks}"
             )
         self.requests[request.request_id] = request

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine_svc.core.engine_core import ModelInfo
+from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import SamplingParams
@@ -94,10 +95,9 @@ def model_info_to_pb(info: ModelInfo, model_source: str, version: str) -> pb.Get
 
 
 def error_code(e: Exception) -> int:
-    text = str(e)
-    if "context length" in text:
+    if isinstance(e, ContextLengthError):
         return int(pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED)
-    if "already in flight" in text or "already in use" in text:
+    if isinstance(e, DuplicateRequestError):
         return int(pb.ERROR_CODE_DUPLICATE_REQUEST_ID)
     if isinstance(e, ValueError):
         return int(pb.ERROR_CODE_INVALID_ARGUMENT)

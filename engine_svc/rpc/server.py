@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.engine_loop import EngineLoop
 from engine_svc.rpc.servicer import EngineServicer
+from engine_svc.rpc.tls import TlsConfig
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -40,9 +41,15 @@ async def serve(
     shutdown_timeout: float,
     version: str,
     started: asyncio.Event | None = None,
+    tls: TlsConfig | None = None,
+    health_port: int | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new work, let in-flight
-    requests finish within ``shutdown_timeout`` seconds, abort the rest, stop."""
+    requests finish within ``shutdown_timeout`` seconds, abort the rest, stop.
+
+    With ``tls`` the port speaks TLS (mutual TLS when it names a CA). ``health_port`` adds a
+    plaintext port serving only ``grpc.health.v1``, for probes that cannot speak TLS (kubelet).
+    """
     loop = EngineLoop(core, max_waiting=max_waiting)
     loop.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -54,13 +61,24 @@ async def serve(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = _add_port(server, host, port, tls)
+    health_server = None
+    if health_port is not None:
+        health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = _add_port(health_server, host, health_port, None)
+        await health_server.start()
+        logger.info("plaintext health port %s:%d", host, health_port)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("engine serving %s on %s:%d", core.info.name, host, bound)
+    logger.info(
+        "engine serving %s on %s:%d (%s)",
+        core.info.name,
+        host,
+        bound,
+        tls.mode if tls else "plaintext",
+    )
     print(f"TANDEM_ENGINE_READY {host}:{bound}", flush=True)
     if started is not None:
         started.set()
@@ -79,4 +97,17 @@ async def serve(
         logger.warning("aborted %d requests still running at the shutdown timeout", aborted)
     await asyncio.sleep(0.2)  # let the last outputs reach their streams
     await server.stop(grace=1.0)
+    if health_server is not None:
+        await health_server.stop(grace=None)
     loop.stop()
+
+
+def _add_port(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.server_credentials())
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound

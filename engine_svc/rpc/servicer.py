@@ -2,8 +2,9 @@
 
 Stream:   one client per call; its requests' outputs come back once per engine step.
 Generate: one request per call; cancelling the call aborts it.
-Errors:   INVALID_ARGUMENT (parameter named), RESOURCE_EXHAUSTED (waiting queue full),
-          UNAVAILABLE (draining). In Stream they arrive per request, never ending the stream.
+Errors:   INVALID_ARGUMENT (parameter named), OUT_OF_RANGE (context length), RESOURCE_EXHAUSTED
+          (waiting queue full), UNAVAILABLE (draining), as the proto's ErrorCode documents. In
+          Stream they arrive per request, never ending the stream.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from engine_svc.core.engine_core import ModelInfo
+from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_loop import ClientBatch, Draining, EngineLoop, QueueFull
 from engine_svc.rpc import convert
@@ -137,21 +139,12 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             try:
                 self._submit(client, add)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except QueueFull as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except Draining as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except (ValueError, QueueFull, Draining) as e:
+                await context.abort(_status_code(e), str(e))
             while True:
                 batch = await inbox.get()
                 for _, err in batch.errors:
-                    code = (
-                        grpc.StatusCode.INVALID_ARGUMENT
-                        if isinstance(err, ValueError)
-                        else grpc.StatusCode.INTERNAL
-                    )
-                    await context.abort(code, str(err))
+                    await context.abort(_status_code(err), str(err))
                 load = convert.load_to_pb(batch.load) if batch.load else None
                 for o in batch.outputs:
                     yield pb.GenerateResponse(output=convert.output_to_pb(o), load=load)
@@ -191,6 +184,21 @@ class EngineServicer(pb_grpc.EngineServicer):
                     msg.chat_template = chat_template
                     first = False
                 yield msg
+
+
+def _status_code(e: Exception) -> grpc.StatusCode:
+    """The Generate status for a refused or failed request (the proto's ErrorCode table)."""
+    if isinstance(e, ContextLengthError):
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(e, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(e, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, Draining):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
 
 
 def _chat_template(model_dir: Path) -> str:

@@ -40,12 +40,14 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 when the engine is connected (and its tokenizer loaded), else 503."""
+    """200 when at least one engine is connected (and the tokenizer loaded), else 503.
+
+    The body lists every engine with its state, for people; probes only read the status.
+    """
     state = gateway(request)
     if state.ready:
-        return Response(status_code=200)
-    detail = state.client.last_error or f"not connected to {state.config.engine_address}"
-    return engine_unavailable(detail).response()
+        return JSONResponse({"status": "ok", "engines": state.engines.describe()})
+    return engine_unavailable(state.engines.unavailable_reason()).response()
 
 
 async def live(request: Request) -> Response:

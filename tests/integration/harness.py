@@ -62,7 +62,8 @@ class Proc:
                 self._ready_line.set()
 
     def log_tail(self, n: int = 3000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
 
     def wait_line(self, timeout: float) -> None:

@@ -44,7 +44,7 @@ def test_invalid_sampling_param(channel: grpc.Channel) -> None:
 
 def test_prompt_at_max_model_len(channel: grpc.Channel) -> None:
     error = _status(pb_grpc.EngineStub(channel), add_request("long", [300] * 2048, 1))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert error.code() == grpc.StatusCode.OUT_OF_RANGE  # type: ignore[attr-defined]
     details = error.details()  # type: ignore[attr-defined]
     assert "2048" in details and "context length" in details
 

@@ -1,0 +1,367 @@
+"""Every engine behind this gateway: one :class:`EngineClient` (one ``Stream``) per engine.
+
+``--engine`` names the engines: ``HOST:PORT``, several separated by commas, or
+``dns:///NAME:PORT`` (a Kubernetes headless Service), whose addresses are looked up again every
+``resolve_interval_s`` so engines that scale up join and engines that go away leave.
+
+A request goes to the engine :class:`~frontend_svc.routing.Router` picks among the connected
+ones. When that engine fails the request before it produced a token (stream broken, draining,
+queue full) it is sent to another engine; once tokens have reached the client, the error is the
+client's. An engine whose stream breaks leaves the rotation at once and rejoins when its client
+reconnects. Engines must serve the same model and tokenizer; one that does not is kept out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from frontend_svc.config import FrontendConfig, TlsClientConfig
+from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_types import (
+    EngineErrorCode,
+    EngineOutput,
+    EngineRequest,
+    EngineRequestError,
+    EngineUnavailableError,
+    LoadFigures,
+    ModelInfo,
+    TokenizerFiles,
+)
+from frontend_svc.routing import Router
+
+logger = logging.getLogger(__name__)
+
+OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
+OnLoad = Callable[[str, LoadFigures], None]
+OnRoute = Callable[[str, int], None]  # engine address, prompt tokens expected to hit its cache
+
+# Failures that leave the request untouched on the engine, so another engine may take it.
+_RETRYABLE_CODES = (EngineErrorCode.RESOURCE_EXHAUSTED, EngineErrorCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One entry of ``--engine``: a fixed address, or a DNS name to resolve again and again."""
+
+    host: str
+    port: int
+    dns: bool = False
+
+    @property
+    def address(self) -> str:
+        return _join(self.host, self.port)
+
+
+def parse_engine_targets(spec: str) -> list[EngineTarget]:
+    """``HOST:PORT[,HOST:PORT...]`` with ``dns:///NAME:PORT`` entries; ValueError if malformed."""
+    targets = []
+    for raw in spec.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        dns = entry.startswith("dns:///")
+        rest = entry[len("dns:///") :] if dns else entry
+        if "://" in rest or rest.startswith("dns:"):
+            raise ValueError(f"engine address {entry!r}: only HOST:PORT and dns:///NAME:PORT")
+        host, sep, port = rest.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"engine address {entry!r} is not HOST:PORT")
+        targets.append(EngineTarget(host, int(port), dns))
+    if not targets:
+        raise ValueError("no engine address given")
+    return targets
+
+
+def _join(host: str, port: int) -> str:
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def channel_credentials(tls: TlsClientConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials for the engine channels (None: plaintext). Reads the files once."""
+    if not tls.enabled:
+        return None
+
+    def read(flag: str, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror or e}") from e
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("--tls-ca", tls.ca),
+        private_key=read("--tls-key", tls.key),
+        certificate_chain=read("--tls-cert", tls.cert),
+    )
+
+
+@dataclass
+class _Engine:
+    client: EngineClient
+    target: EngineTarget
+    in_flight: int = 0
+    reported: int = 0  # running + waiting in the engine's latest load figures
+    info: ModelInfo | None = None
+    files: TokenizerFiles | None = None
+    retiring: bool = False  # left DNS: no new requests, closed once idle
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported)
+
+
+class EnginePool:
+    """Connections to every engine, and the choice of one per request."""
+
+    def __init__(
+        self,
+        config: FrontendConfig,
+        on_connect: OnConnect | None = None,
+        on_load: OnLoad | None = None,
+        on_route: OnRoute | None = None,
+    ) -> None:
+        self.config = config
+        self.targets = parse_engine_targets(config.engine_address)
+        self.router = Router(
+            config.routing.affinity_min_tokens, config.routing.affinity_max_imbalance
+        )
+        self._credentials = channel_credentials(config.tls)
+        self._on_connect = on_connect
+        self._on_load = on_load
+        self._on_route = on_route
+        self._engines: dict[str, _Engine] = {}
+        self._resolver: asyncio.Task[None] | None = None
+        self.last_error: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect to the fixed addresses now; look DNS names up in the background."""
+        for t in self.targets:
+            if not t.dns:
+                self._add(t.address, t)
+        if any(t.dns for t in self.targets) and self._resolver is None:
+            self._resolver = asyncio.create_task(self._resolve_forever(), name="engine-dns")
+
+    async def close(self) -> None:
+        if self._resolver is not None:
+            self._resolver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resolver
+            self._resolver = None
+        await asyncio.gather(*(e.client.close() for e in self._engines.values()))
+        self._engines.clear()
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return any(self._usable(e) for e in self._engines.values())
+
+    async def wait_connected(self, timeout: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.connected and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.connected
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(e.in_flight for e in self._engines.values())
+
+    def describe(self) -> list[dict[str, object]]:
+        """Per-engine state, for /health and logs."""
+        return [
+            {
+                "address": a,
+                "connected": self._usable(e),
+                "in_flight": e.in_flight,
+                "load": e.load,
+                **({"error": e.client.last_error} if e.client.last_error else {}),
+                **({"retiring": True} if e.retiring else {}),
+            }
+            for a, e in sorted(self._engines.items())
+        ]
+
+    def unavailable_reason(self) -> str:
+        errors = [f"{a}: {e.client.last_error}" for a, e in self._engines.items()]
+        errors = [m for m in errors if not m.endswith(": None")]
+        if not self._engines:
+            return f"no engine address resolved from {self.config.engine_address}" + (
+                f" ({self.last_error})" if self.last_error else ""
+            )
+        detail = "; ".join(errors) if errors else "connecting"
+        return f"no engine connected ({detail})"
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Run ``request`` on the chosen engine, moving it while no token has been produced.
+
+        Raises like :meth:`EngineClient.generate`; closing the generator aborts the request.
+        """
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        while True:
+            engine = self._pick(request, tried)
+            if engine is None:
+                raise last_error or EngineUnavailableError(self.unavailable_reason())
+            address = engine.client.address
+            tried.add(address)
+            produced = False
+            engine.in_flight += 1
+            try:
+                async with contextlib.aclosing(engine.client.generate(request)) as outputs:
+                    async for out in outputs:
+                        produced = True
+                        yield out
+                return
+            except (EngineUnavailableError, EngineRequestError) as e:
+                retryable = isinstance(e, EngineUnavailableError) or e.code in _RETRYABLE_CODES
+                if produced or not retryable:
+                    raise
+                logger.info("request %s: engine %s failed (%s)", request.request_id, address, e)
+                last_error = e
+            finally:
+                engine.in_flight -= 1
+                if engine.retiring and engine.in_flight == 0:
+                    self._retire_now(address)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort on every engine (each ignores ids it does not know)."""
+        for e in self._engines.values():
+            e.client.abort(request_ids)
+
+    def _usable(self, e: _Engine) -> bool:
+        return e.client.connected and e.info is not None and not e.retiring
+
+    def _pick(self, request: EngineRequest, exclude: set[str]) -> _Engine | None:
+        candidates = {
+            a: e for a, e in self._engines.items() if self._usable(e) and a not in exclude
+        }
+        if not candidates:
+            return None
+        choice = self.router.choose(
+            request.prompt_token_ids, {a: e.load for a, e in candidates.items()}
+        )
+        if self._on_route is not None:
+            self._on_route(choice.address, choice.affinity_tokens)
+        return candidates[choice.address]
+
+    # -- engines joining and leaving --------------------------------------------------------
+
+    def _add(self, address: str, target: EngineTarget) -> None:
+        if address in self._engines:
+            self._engines[address].retiring = False
+            return
+        server_name = self.config.tls.server_name or (target.host if target.dns else None)
+        client = EngineClient(
+            address,
+            backoff=self.config.backoff,
+            rpc_timeout_s=self.config.engine_rpc_timeout_s,
+            on_connect=functools.partial(self._engine_connected, address),
+            on_load=functools.partial(self._engine_load, address),
+            credentials=self._credentials,
+            server_name=server_name if self._credentials is not None else None,
+        )
+        self._engines[address] = _Engine(client, target)
+        client.start()
+        logger.info("engine %s joined (%s)", address, "DNS" if target.dns else "static")
+
+    def _retire(self, address: str) -> None:
+        engine = self._engines.get(address)
+        if engine is None or engine.retiring:
+            return
+        engine.retiring = True
+        self.router.forget(address)
+        logger.info("engine %s left DNS: no new requests, %d in flight", address, engine.in_flight)
+        if engine.in_flight == 0:
+            self._retire_now(address)
+
+    def _retire_now(self, address: str) -> None:
+        engine = self._engines.pop(address, None)
+        if engine is not None:
+            asyncio.get_running_loop().create_task(engine.client.close())
+
+    async def _engine_connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
+        """Accept an engine (re)connecting if it serves what the connected ones serve."""
+        engine = self._engines.get(address)
+        if engine is None:
+            raise EngineUnavailableError(f"engine {address} is no longer configured")
+        engine.info = None  # out of rotation until accepted
+        others = [e for a, e in self._engines.items() if a != address and self._usable(e)]
+        for other in others:
+            assert other.info is not None and other.files is not None
+            mismatch = _mismatch(other.info, other.files, info, files)
+            if mismatch:
+                raise ValueError(
+                    f"engine {address} differs from engine {other.client.address}: {mismatch}; "
+                    "every engine behind one gateway must serve the same model"
+                )
+        self.router.forget(address)  # a (re)connected engine starts with an empty cache
+        self.router.set_block_size(info.block_size)
+        engine.reported = 0
+        if self._on_connect is not None:
+            # Prompts are checked against the tightest context length among the engines.
+            tightest = min([info.max_model_len] + [o.info.max_model_len for o in others if o.info])
+            await self._on_connect(dataclasses.replace(info, max_model_len=tightest), files)
+        engine.info, engine.files = info, files
+
+    def _engine_load(self, address: str, load: LoadFigures) -> None:
+        engine = self._engines.get(address)
+        if engine is not None:
+            engine.reported = load.num_running + load.num_waiting
+        if self._on_load is not None:
+            self._on_load(address, load)
+
+    async def _resolve_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        known: dict[EngineTarget, set[str]] = {}
+        while True:
+            for target in (t for t in self.targets if t.dns):
+                try:
+                    infos = await loop.getaddrinfo(
+                        target.host, target.port, type=socket.SOCK_STREAM
+                    )
+                except OSError as e:  # keep the last answer: a DNS hiccup is not an outage
+                    self.last_error = f"cannot resolve {target.host}: {e}"
+                    logger.warning("%s", self.last_error)
+                    continue
+                known[target] = {_join(str(i[4][0]), target.port) for i in infos}
+                self.last_error = None
+            wanted = {a: t for t, addresses in known.items() for a in addresses}
+            for address, target in wanted.items():
+                self._add(address, target)
+            for address, engine in list(self._engines.items()):
+                if engine.target.dns and address not in wanted:
+                    self._retire(address)
+            await asyncio.sleep(self.config.routing.resolve_interval_s)
+
+
+def _mismatch(
+    a: ModelInfo, a_files: TokenizerFiles, b: ModelInfo, b_files: TokenizerFiles
+) -> str | None:
+    if a.served_model_name != b.served_model_name:
+        return f"model {b.served_model_name!r}, not {a.served_model_name!r}"
+    if a.vocab_size != b.vocab_size:
+        return f"vocabulary size {b.vocab_size}, not {a.vocab_size}"
+    if a.block_size != b.block_size:
+        return f"KV block size {b.block_size}, not {a.block_size}"
+    if a_files != b_files:
+        return "another tokenizer"
+    return None
