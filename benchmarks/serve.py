@@ -322,9 +322,11 @@ def run_in_process(model_dir: Path, workload: Workload, args: argparse.Namespace
         return list(records.values()), time.perf_counter() - start
 
     one_pass([(p, 4) for p, _ in workload[:2]])  # warm-up
+    cpu0 = cpu_seconds()
     records, wall = one_pass(workload)
+    cpu = cpu_seconds() - cpu0
     del llm
-    return summarize(records, wall)
+    return {**summarize(records, wall), "cpu_s": {"engine+client": cpu}}
 
 
 # ---------------------------------------------------------------------------------- processes
@@ -336,8 +338,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (None: this process)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def _process(argv: list[str], ready: str | None, url: str | None, log: Path) -> Iterator[None]:
+def _process(
+    argv: list[str], ready: str | None, url: str | None, log: Path
+) -> Iterator[subprocess.Popen[str]]:
     """Start a subprocess; wait for a stdout line starting with ``ready`` or for ``url`` to
     answer 200; always kill it on the way out."""
     with log.open("wb") as err:
@@ -359,7 +372,7 @@ def _process(argv: list[str], ready: str | None, url: str | None, log: Path) -> 
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{argv[2]} never became healthy; see {log}")
                 time.sleep(0.2)
-            yield
+            yield proc
         finally:
             proc.terminate()
             try:
@@ -424,8 +437,15 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         port = _free_port()
         address = f"127.0.0.1:{port}"
         engine_argv = _engine_argv(model_dir, port, args)
-        with _process(engine_argv, "TANDEM_ENGINE_READY", None, Path(tmp) / "engine-grpc.log"):
+        with _process(
+            engine_argv, "TANDEM_ENGINE_READY", None, Path(tmp) / "engine-grpc.log"
+        ) as engine:
+            cpu0 = (cpu_seconds(), cpu_seconds(engine.pid))
             results["grpc"] = asyncio.run(run_grpc(address, workload, args.concurrency))
+            results["grpc"]["cpu_s"] = {
+                "client": cpu_seconds() - cpu0[0],
+                "engine": cpu_seconds(engine.pid) - cpu0[1],
+            }
         print(format_table("grpc Stream", results["grpc"]), flush=True)
 
         http_port = _free_port()
@@ -442,10 +462,18 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         ]
         base = f"http://127.0.0.1:{http_port}"
         with (
-            _process(engine_argv, "TANDEM_ENGINE_READY", None, Path(tmp) / "engine-http.log"),
-            _process(gateway_argv, None, f"{base}/health", Path(tmp) / "gateway.log"),
+            _process(
+                engine_argv, "TANDEM_ENGINE_READY", None, Path(tmp) / "engine-http.log"
+            ) as engine,
+            _process(gateway_argv, None, f"{base}/health", Path(tmp) / "gateway.log") as gw,
         ):
+            cpu0 = (cpu_seconds(), cpu_seconds(engine.pid), cpu_seconds(gw.pid))
             results["http"] = asyncio.run(run_http(base, "bench", workload, args.concurrency))
+            results["http"]["cpu_s"] = {
+                "client": cpu_seconds() - cpu0[0],
+                "engine": cpu_seconds(engine.pid) - cpu0[1],
+                "gateway": cpu_seconds(gw.pid) - cpu0[2],
+            }
         print(format_table("http (gateway + engine)", results["http"]), flush=True)
 
     for name, r in results.items():
@@ -462,9 +490,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         f"{'path':<14}{'out tok/s':>12}{'vs in-process':>16}{'TTFT p50 ms':>14}{'TPOT p50 ms':>14}"
     )
     for name, r in results.items():
+        cpu = r.get("cpu_s", {})
         print(
             f"{name:<14}{r['output_throughput']:>12.1f}{r['output_throughput'] / base_tps:>15.2f}x"
-            f"{r['ttft_ms']['median']:>14.1f}{r['tpot_ms']['median']:>14.1f}"
+            f"{r['ttft_ms']['median']:>14.1f}{r['tpot_ms']['median']:>14.1f}  "
+            + " ".join(f"{k}={v:.1f}s" for k, v in cpu.items())
+            + f"  wall={r['wall_s']:.1f}s"
         )
     results["ratios"] = {
         "grpc/in-process": results["grpc"]["output_throughput"] / base_tps,

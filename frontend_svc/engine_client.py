@@ -67,6 +67,7 @@ class EngineClient:
         on_load: OnLoad | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str | None = None,
+        on_disconnect: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self._credentials = credentials
@@ -75,6 +76,7 @@ class EngineClient:
         self._rpc_timeout_s = rpc_timeout_s
         self._on_connect = on_connect
         self._on_load = on_load
+        self._on_disconnect = on_disconnect
         self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
         self._outbox: asyncio.Queue[pb.EngineCoreRequest | None] | None = None
         self._epoch = 0  # bumped on every (re)connection; requests remember theirs
@@ -201,7 +203,7 @@ class EngineClient:
                 options.append(("grpc.ssl_target_name_override", self._server_name))
             channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
         outbox: asyncio.Queue[pb.EngineCoreRequest | None] = asyncio.Queue()
-        connected = False
+        connected = accepted = False
         try:
             stub = pb_grpc.EngineStub(channel)
             info = _model_info(
@@ -209,6 +211,7 @@ class EngineClient:
             )
             files = await self._fetch_tokenizer(stub)
             if self._on_connect is not None:
+                accepted = True
                 await self._on_connect(info, files)
             call = stub.Stream(_drain(outbox))
             await call.wait_for_connection()
@@ -232,6 +235,8 @@ class EngineClient:
             outbox.put_nowait(None)
             if connected:
                 self._fail_in_flight(self.last_error or "connection lost")
+            if accepted and self._on_disconnect is not None:
+                self._on_disconnect()
             await channel.close(grace=None)
 
     async def _fetch_tokenizer(self, stub: pb_grpc.EngineStub) -> TokenizerFiles:

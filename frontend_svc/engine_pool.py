@@ -33,6 +33,7 @@ from frontend_svc.engine_types import (
     EngineRequest,
     EngineRequestError,
     EngineUnavailableError,
+    FinishReason,
     LoadFigures,
     ModelInfo,
     TokenizerFiles,
@@ -74,8 +75,10 @@ def parse_engine_targets(spec: str) -> list[EngineTarget]:
         if "://" in rest or rest.startswith("dns:"):
             raise ValueError(f"engine address {entry!r}: only HOST:PORT and dns:///NAME:PORT")
         host, sep, port = rest.rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        bracketed = host.startswith("[") and host.endswith("]")
+        host = host[1:-1] if bracketed else host
+        malformed = "[" in host or "]" in host or (":" in host and not bracketed)
+        if malformed or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"engine address {entry!r} is not HOST:PORT")
         targets.append(EngineTarget(host, int(port), dns))
     if not targets:
@@ -135,6 +138,7 @@ class EnginePool:
         on_connect: OnConnect | None = None,
         on_load: OnLoad | None = None,
         on_route: OnRoute | None = None,
+        on_leave: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.targets = parse_engine_targets(config.engine_address)
@@ -145,8 +149,10 @@ class EnginePool:
         self._on_connect = on_connect
         self._on_load = on_load
         self._on_route = on_route
+        self._on_leave = on_leave  # an engine left for good (DNS): drop what is kept about it
         self._engines: dict[str, _Engine] = {}
         self._resolver: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
         self.last_error: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -165,7 +171,7 @@ class EnginePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._resolver
             self._resolver = None
-        await asyncio.gather(*(e.client.close() for e in self._engines.values()))
+        await asyncio.gather(*(e.client.close() for e in self._engines.values()), *self._closing)
         self._engines.clear()
 
     # -- state ------------------------------------------------------------------------------
@@ -228,6 +234,8 @@ class EnginePool:
             try:
                 async with contextlib.aclosing(engine.client.generate(request)) as outputs:
                     async for out in outputs:
+                        if not produced and out.finish_reason is FinishReason.ABORT:
+                            raise EngineUnavailableError(f"engine {address} aborted the request")
                         produced = True
                         yield out
                 return
@@ -276,6 +284,7 @@ class EnginePool:
             rpc_timeout_s=self.config.engine_rpc_timeout_s,
             on_connect=functools.partial(self._engine_connected, address),
             on_load=functools.partial(self._engine_load, address),
+            on_disconnect=functools.partial(self._engine_disconnected, address),
             credentials=self._credentials,
             server_name=server_name if self._credentials is not None else None,
         )
@@ -295,8 +304,13 @@ class EnginePool:
 
     def _retire_now(self, address: str) -> None:
         engine = self._engines.pop(address, None)
-        if engine is not None:
-            asyncio.get_running_loop().create_task(engine.client.close())
+        if engine is None:
+            return
+        task = asyncio.get_running_loop().create_task(engine.client.close())
+        self._closing.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._closing.discard)
+        if self._on_leave is not None:
+            self._on_leave(address)
 
     async def _engine_connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
         """Accept an engine (re)connecting if it serves what the connected ones serve."""
@@ -304,7 +318,11 @@ class EnginePool:
         if engine is None:
             raise EngineUnavailableError(f"engine {address} is no longer configured")
         engine.info = None  # out of rotation until accepted
-        others = [e for a, e in self._engines.items() if a != address and self._usable(e)]
+        others = [
+            e
+            for a, e in self._engines.items()
+            if a != address and e.info is not None and not e.retiring
+        ]
         for other in others:
             assert other.info is not None and other.files is not None
             mismatch = _mismatch(other.info, other.files, info, files)
@@ -316,11 +334,20 @@ class EnginePool:
         self.router.forget(address)  # a (re)connected engine starts with an empty cache
         self.router.set_block_size(info.block_size)
         engine.reported = 0
+        engine.info, engine.files = info, files  # claimed before the await below
         if self._on_connect is not None:
             # Prompts are checked against the tightest context length among the engines.
             tightest = min([info.max_model_len] + [o.info.max_model_len for o in others if o.info])
-            await self._on_connect(dataclasses.replace(info, max_model_len=tightest), files)
-        engine.info, engine.files = info, files
+            try:
+                await self._on_connect(dataclasses.replace(info, max_model_len=tightest), files)
+            except BaseException:
+                engine.info = engine.files = None
+                raise
+
+    def _engine_disconnected(self, address: str) -> None:
+        engine = self._engines.get(address)
+        if engine is not None:
+            engine.info = engine.files = None
 
     def _engine_load(self, address: str, load: LoadFigures) -> None:
         engine = self._engines.get(address)
@@ -338,7 +365,7 @@ class EnginePool:
                     infos = await loop.getaddrinfo(
                         target.host, target.port, type=socket.SOCK_STREAM
                     )
-                except OSError as e:  # keep the last answer: a DNS hiccup is not an outage
+                except (OSError, UnicodeError) as e:  # keep the last answer: not an outage
                     self.last_error = f"cannot resolve {target.host}: {e}"
                     logger.warning("%s", self.last_error)
                     continue

@@ -29,6 +29,7 @@ class GatewayState:
             on_connect=self._on_connect,
             on_load=self.metrics.observe_load,
             on_route=self.metrics.observe_routed,
+            on_leave=self.metrics.forget_engine,
         )
 
     async def _on_connect(self, info: ModelInfo, files: TokenizerFiles) -> None:

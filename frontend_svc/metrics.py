@@ -148,6 +148,15 @@ class Metrics:
                 counter.labels(m, engine).inc(delta)
         self._last[engine] = load
 
+    def forget_engine(self, engine: str) -> None:
+        """An engine left for good: drop its load gauges (its counters stay, as totals do)."""
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            try:
+                gauge.remove(self.model_name, engine)
+            except KeyError:
+                pass
+        self._last.pop(engine, None)
+
     def observe_routed(self, engine: str, affinity_tokens: int) -> None:
         self.routed.labels(self.model_name, engine, str(affinity_tokens > 0).lower()).inc()
 

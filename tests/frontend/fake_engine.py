@@ -56,6 +56,8 @@ class FakeEngine:
         step_s: float = 0.004,
         max_requests: int = 64,
         block_size: int = 4,
+        model_name: str = MODEL_NAME,
+        host: str = "127.0.0.1",
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.script = script_ids
@@ -65,6 +67,8 @@ class FakeEngine:
         self.step_s = step_s
         self.max_requests = max_requests  # tests lower it to provoke queue-full errors
         self.block_size = block_size
+        self.model_name = model_name  # tests change it to play an engine serving another model
+        self.host = host  # another loopback address (127.0.0.2) plays another machine
         self.requests: dict[str, _Running] = {}
         self.added: list[str] = []
         self.aborted: list[str] = []
@@ -84,7 +88,7 @@ class FakeEngine:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -116,7 +120,7 @@ class FakeEngine:
     async def _serve(self, port: int, started: threading.Event) -> None:
         self._server = grpc.aio.server()
         pb_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
-        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.port = self._server.add_insecure_port(f"{self.host}:{port}")
         await self._server.start()
         self._stopping = asyncio.Event()
         stepper = asyncio.create_task(self._step_loop())
@@ -316,7 +320,7 @@ class _Servicer(pb_grpc.EngineServicer):
     ) -> pb.GetModelInfoResponse:
         e = self.engine
         return pb.GetModelInfoResponse(
-            served_model_name=MODEL_NAME,
+            served_model_name=e.model_name,
             max_model_len=e.max_model_len,
             vocab_size=e.vocab_size,
             eos_token_ids=[e.eos_token_id],
