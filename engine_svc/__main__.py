@@ -60,48 +60,51 @@ def main(argv: list[str] | None = None) -> None:
     from engine_svc.core.engine_core import EngineCore
     from engine_svc.rpc.server import serve
 
-    model = args.model
-    if model is None:
-        from engine_svc.default_model import NAME, ensure_default_model
+    def build() -> EngineCore:
+        """Runs on the engine loop thread, so that all torch work happens on one thread."""
+        model = args.model
+        if model is None:
+            from engine_svc.default_model import NAME, ensure_default_model
 
-        model = str(ensure_default_model())
-        served = args.served_model_name or NAME
-        logging.getLogger("engine_svc").warning(
-            "no --model given: serving the embedded default model (random weights, gibberish text)"
+            model = str(ensure_default_model())
+            served = args.served_model_name or NAME
+            logging.getLogger("engine_svc").warning(
+                "no --model given: serving the embedded default model "
+                "(random weights, gibberish text)"
+            )
+        else:
+            served = args.served_model_name
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                served_model_name=served,
+                seed=args.seed,
+                max_logprobs=args.max_logprobs,
+            ),
+            cache=CacheConfig(
+                block_size=args.block_size,
+                enable_prefix_caching=not args.no_prefix_caching,
+                kv_cache_memory=None
+                if args.kv_cache_memory is None
+                else parse_size(args.kv_cache_memory),
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                num_kv_blocks=args.num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len or args.max_num_batched_tokens,
+                policy=args.scheduling_policy,
+            ),
+            device=args.device,
         )
-    else:
-        served = args.served_model_name
-    config = EngineConfig(
-        model=ModelConfig(
-            model=model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            served_model_name=served,
-            seed=args.seed,
-            max_logprobs=args.max_logprobs,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=not args.no_prefix_caching,
-            kv_cache_memory=None
-            if args.kv_cache_memory is None
-            else parse_size(args.kv_cache_memory),
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_kv_blocks=args.num_kv_blocks,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len or args.max_num_batched_tokens,
-            policy=args.scheduling_policy,
-        ),
-        device=args.device,
-    )
-    core = EngineCore(config)
+        return EngineCore(config)
+
     asyncio.run(
         serve(
-            core,
-            model,
+            build,
             args.host,
             args.port,
             args.max_waiting,

@@ -5,6 +5,13 @@
 
 Request ids are scoped per client: two clients may both send "req-1". Internally a request is
 ``"{client}/{id}"``; outputs go back under the client's own id.
+
+The loop thread also *builds* the engine core, so that every torch operation of the engine runs on
+this one thread. PyTorch's CPU kernels use OpenMP (libgomp), which gives each thread that starts
+a parallel region a worker pool of its own; once more pool threads exist than cores, libgomp
+sleeps at every barrier instead of spinning. Loading the model on the main thread and stepping on
+this one did exactly that on a 2-core machine: 431 vs 602 output tok/s for the same workload, with
+~45k futex sleeps instead of ~30 (benchmarks/results/serve_cpu.md).
 """
 
 from __future__ import annotations
@@ -81,8 +88,11 @@ class _Abort:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, max_waiting: int = 1024) -> None:
-        self.core = core
+    def __init__(self, build: Callable[[], EngineCore], max_waiting: int = 1024) -> None:
+        self._build = build
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self.core: EngineCore  # set by the loop thread before start() returns
         self.max_waiting = max_waiting
         self.load = LoadFigures(kv_cache_usage=0.0)
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
@@ -95,8 +105,16 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ called from any thread
-    def start(self) -> None:
+    def start(self) -> EngineCore:
+        """Start the loop thread, wait until it has built the engine core, and return it.
+
+        An error while building (a bad checkpoint, no memory) is raised here.
+        """
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
+        return self.core
 
     def register(self, client: str, sink: Sink) -> None:
         with self._lock:
@@ -161,6 +179,13 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
+        try:
+            self.core = self._build()
+        except BaseException as e:
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.core.has_unfinished_requests())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,8 +34,7 @@ SERVER_OPTIONS = [
 
 
 async def serve(
-    core: EngineCore,
-    model_dir: str,
+    build: Callable[[], EngineCore],
     host: str,
     port: int,
     max_waiting: int,
@@ -44,14 +44,16 @@ async def serve(
     tls: TlsConfig | None = None,
     health_port: int | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new work, let in-flight
+    """Build the engine (``build`` runs on the engine loop thread) and serve it until
+    SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new work, let in-flight
     requests finish within ``shutdown_timeout`` seconds, abort the rest, stop.
 
     With ``tls`` the port speaks TLS (mutual TLS when it names a CA). ``health_port`` adds a
     plaintext port serving only ``grpc.health.v1``, for probes that cannot speak TLS (kubelet).
     """
-    loop = EngineLoop(core, max_waiting=max_waiting)
-    loop.start()
+    loop = EngineLoop(build, max_waiting=max_waiting)
+    core = loop.start()  # the loop thread builds the engine: see engine_loop's docstring
+    model_dir = core.config.model.model
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_EngineServicer_to_server(
         EngineServicer(loop, core.info, model_dir, version), server
