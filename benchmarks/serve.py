@@ -417,6 +417,43 @@ def add_word_tokenizer(model_dir: Path, vocab: int) -> None:
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def _grpc_path(
+    model_dir: Path, workload: Workload, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    port = _free_port()
+    argv = _engine_argv(model_dir, port, args)
+    with _process(argv, "TANDEM_ENGINE_READY", None, tmp / "engine-grpc.log") as engine:
+        cpu0 = (cpu_seconds(), cpu_seconds(engine.pid))
+        r = asyncio.run(run_grpc(f"127.0.0.1:{port}", workload, args.concurrency))
+        r["cpu_s"] = {
+            "client": cpu_seconds() - cpu0[0],
+            "engine": cpu_seconds(engine.pid) - cpu0[1],
+        }
+    return r
+
+
+def _http_path(
+    model_dir: Path, workload: Workload, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    port, http_port = _free_port(), _free_port()
+    engine_argv = _engine_argv(model_dir, port, args)
+    gateway_argv = [sys.executable, "-m", "frontend_svc", "--engine", f"127.0.0.1:{port}"]
+    gateway_argv += ["--port", str(http_port), "--log-level", "warning"]
+    base = f"http://127.0.0.1:{http_port}"
+    with (
+        _process(engine_argv, "TANDEM_ENGINE_READY", None, tmp / "engine-http.log") as engine,
+        _process(gateway_argv, None, f"{base}/health", tmp / "gateway.log") as gw,
+    ):
+        cpu0 = (cpu_seconds(), cpu_seconds(engine.pid), cpu_seconds(gw.pid))
+        r = asyncio.run(run_http(base, "bench", workload, args.concurrency))
+        r["cpu_s"] = {
+            "client": cpu_seconds() - cpu0[0],
+            "engine": cpu_seconds(engine.pid) - cpu0[1],
+            "gateway": cpu_seconds(gw.pid) - cpu0[2],
+        }
+    return r
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -431,54 +468,28 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.shape, Path(tmp) / args.shape, torch.float32)
         add_word_tokenizer(model_dir, vocab)
-        results["in-process"] = run_in_process(model_dir, workload, args)
-        print(format_table("in-process", results["in-process"]), flush=True)
-
-        port = _free_port()
-        address = f"127.0.0.1:{port}"
-        engine_argv = _engine_argv(model_dir, port, args)
-        with _process(
-            engine_argv, "TANDEM_ENGINE_READY", None, Path(tmp) / "engine-grpc.log"
-        ) as engine:
-            cpu0 = (cpu_seconds(), cpu_seconds(engine.pid))
-            results["grpc"] = asyncio.run(run_grpc(address, workload, args.concurrency))
-            results["grpc"]["cpu_s"] = {
-                "client": cpu_seconds() - cpu0[0],
-                "engine": cpu_seconds(engine.pid) - cpu0[1],
+        runs: dict[str, list[dict[str, Any]]] = {"in-process": [], "grpc": [], "http": []}
+        for round_ in range(args.repeat):  # rounds interleave the paths: drift hits all alike
+            runs["in-process"].append(run_in_process(model_dir, workload, args))
+            runs["grpc"].append(_grpc_path(model_dir, workload, args, Path(tmp)))
+            runs["http"].append(_http_path(model_dir, workload, args, Path(tmp)))
+            print(
+                f"round {round_ + 1}/{args.repeat}: "
+                + ", ".join(f"{k} {v[-1]['output_throughput']:.1f}" for k, v in runs.items()),
+                flush=True,
+            )
+        for name, path_runs in runs.items():
+            ranked = sorted(path_runs, key=lambda r: r["output_throughput"])
+            results[name] = {
+                **ranked[len(ranked) // 2],  # the median run
+                "all_output_throughputs": [r["output_throughput"] for r in path_runs],
             }
-        print(format_table("grpc Stream", results["grpc"]), flush=True)
+            print(format_table(f"{name} (median of {args.repeat})", results[name]), flush=True)
 
-        http_port = _free_port()
-        gateway_argv = [
-            sys.executable,
-            "-m",
-            "frontend_svc",
-            "--engine",
-            address,
-            "--port",
-            str(http_port),
-            "--log-level",
-            "warning",
-        ]
-        base = f"http://127.0.0.1:{http_port}"
-        with (
-            _process(
-                engine_argv, "TANDEM_ENGINE_READY", None, Path(tmp) / "engine-http.log"
-            ) as engine,
-            _process(gateway_argv, None, f"{base}/health", Path(tmp) / "gateway.log") as gw,
-        ):
-            cpu0 = (cpu_seconds(), cpu_seconds(engine.pid), cpu_seconds(gw.pid))
-            results["http"] = asyncio.run(run_http(base, "bench", workload, args.concurrency))
-            results["http"]["cpu_s"] = {
-                "client": cpu_seconds() - cpu0[0],
-                "engine": cpu_seconds(engine.pid) - cpu0[1],
-                "gateway": cpu_seconds(gw.pid) - cpu0[2],
-            }
-        print(format_table("http (gateway + engine)", results["http"]), flush=True)
-
-    for name, r in results.items():
-        if r["failed"] or r["output_tokens"] != expected:
-            raise RuntimeError(f"{name}: {r['failed']} failed, {r['output_tokens']}/{expected}")
+    for name, path_runs in runs.items():
+        for r in path_runs:
+            if r["failed"] or r["output_tokens"] != expected:
+                raise RuntimeError(f"{name}: {r['failed']} failed, {r['output_tokens']}/{expected}")
     base_tps = results["in-process"]["output_throughput"]
     print()
     print(
@@ -501,6 +512,18 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "grpc/in-process": results["grpc"]["output_throughput"] / base_tps,
         "http/in-process": results["http"]["output_throughput"] / base_tps,
     }
+    per_round = {
+        path: [
+            r["output_throughput"] / b["output_throughput"]
+            for r, b in zip(runs[path], runs["in-process"], strict=True)
+        ]
+        for path in ("grpc", "http")
+    }
+    results["ratios_per_round"] = per_round
+    print(
+        "per-round ratios vs in-process: "
+        + "; ".join(f"{p} " + " ".join(f"{x:.2f}" for x in v) for p, v in per_round.items())
+    )
     return results
 
 
@@ -526,6 +549,9 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare", action="store_true", help="in-process vs gRPC vs HTTP")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="--compare: rounds; each path reports its median"
+    )
     ap.add_argument("--shape", default="llama-25m", help="--compare: model shape")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", default="512MiB")
