@@ -64,7 +64,8 @@ def test_stream_many_requests_and_abort(stub: pb_grpc.EngineStub) -> None:
             session.half_close()  # nothing left in flight: the engine ends the stream
     assert finish == {"short": pb.FINISH_REASON_LENGTH, "long": pb.FINISH_REASON_ABORT}
     assert tokens["short"] == greedy  # batching with another request changes nothing
-    assert 8 <= len(tokens["long"]) < 1900
+    # "long" may have reached the engine a step after "short": it ran, and was cut short
+    assert 0 < len(tokens["long"]) < 1900
 
 
 def test_stream_half_close_finishes_in_flight(stub: pb_grpc.EngineStub) -> None:
