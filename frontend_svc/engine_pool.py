@@ -250,11 +250,6 @@ class EnginePool:
                 if engine.retiring and engine.in_flight == 0:
                     self._retire_now(address)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort on every engine (each ignores ids it does not know)."""
-        for e in self._engines.values():
-            e.client.abort(request_ids)
-
     def _usable(self, e: _Engine) -> bool:
         return e.client.connected and e.info is not None and not e.retiring
 

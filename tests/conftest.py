@@ -1,11 +1,17 @@
-"""Shared fixtures: tiny random-weight checkpoints built locally with transformers."""
+"""Shared fixtures: tiny random-weight checkpoints built locally with transformers, and the
+session's real engine process on the embedded default model (built once, in ``cache_dir``),
+used by the integration, deployment and other-language tests alike."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+
+from tests.integration.harness import Engine, kill_all
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -67,3 +73,50 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": build_tiny_checkpoint(root / "qwen2", "Qwen2ForCausalLM", hidden_size=96),
         "qwen3": build_tiny_checkpoint(root / "qwen3", "Qwen3ForCausalLM"),
     }
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+SESSION_ENGINE_FLAGS = ("--max-num-seqs", "16", "--kv-cache-memory", "64MiB")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """TANDEM_CACHE_DIR shared by this process and every child; the model is built once here."""
+    path = tmp_path_factory.mktemp("tandem_cache")
+    old = os.environ.get("TANDEM_CACHE_DIR")
+    os.environ["TANDEM_CACHE_DIR"] = str(path)
+    from engine_svc.default_model import ensure_default_model
+
+    ensure_default_model()
+    yield path
+    if old is None:
+        os.environ.pop("TANDEM_CACHE_DIR", None)
+    else:
+        os.environ["TANDEM_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield
+    kill_all()
+
+
+@pytest.fixture(scope="session")
+def engine(cache_dir: Path, log_dir: Path) -> Iterator[Engine]:
+    e = Engine(cache_dir, log_dir, *SESSION_ENGINE_FLAGS)
+    try:
+        yield e.wait_ready()
+    finally:
+        e.stop()
+
+
+@pytest.fixture()
+def channel(engine: Engine) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(engine.address) as ch:
+        yield ch

@@ -1,7 +1,7 @@
 """TLS for the engine's gRPC port: server-side TLS, or mutual TLS when a client CA is given.
 
-Files are read once at startup; a missing or unreadable file is a startup error that names the
-flag, never a silent fall-back to plaintext.
+Files are read once, when the flags are parsed; a missing or unreadable file is a startup error
+that names the flag, never a silent fall-back to plaintext.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import grpc
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """PEM paths: the server's certificate chain and key, and (for mTLS) the client CA."""
+    """PEM contents: the server's certificate chain and key, and (for mTLS) the client CA."""
 
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None = None
 
     @classmethod
     def from_flags(
@@ -32,23 +32,21 @@ class TlsConfig:
         if cert is None or key is None:
             missing = "--tls-cert" if cert is None else "--tls-key"
             raise ValueError(f"TLS needs both --tls-cert and --tls-key; {missing} is missing")
-        config = cls(Path(cert), Path(key), None if client_ca is None else Path(client_ca))
-        for flag, path in (("--tls-cert", config.cert), ("--tls-key", config.key)):
-            _read(flag, path)
-        if config.client_ca is not None:
-            _read("--tls-ca", config.client_ca)
-        return config
+        return cls(
+            _read("--tls-cert", Path(cert)),
+            _read("--tls-key", Path(key)),
+            None if client_ca is None else _read("--tls-ca", Path(client_ca)),
+        )
 
     @property
     def mode(self) -> str:
         return "mutual TLS" if self.client_ca is not None else "TLS"
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        ca = None if self.client_ca is None else _read("--tls-ca", self.client_ca)
         return grpc.ssl_server_credentials(
-            [(_read("--tls-key", self.key), _read("--tls-cert", self.cert))],
-            root_certificates=ca,
-            require_client_auth=ca is not None,
+            [(self.key, self.cert)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
         )
 
 

@@ -496,7 +496,7 @@ def test_dockerignore_matches_like_docker() -> None:
 # ---------------------------------------------------------------------------- live commands
 
 
-def test_engine_healthcheck_command_against_a_live_engine(live_engine: Engine) -> None:
+def test_engine_healthcheck_command_against_a_live_engine(engine: Engine) -> None:
     """The image's exact HEALTHCHECK command (pointed at the test's port) passes against a real
     engine and fails where nothing listens."""
     health = parse(_engine_text()).final.last("HEALTHCHECK")
@@ -504,7 +504,7 @@ def test_engine_healthcheck_command_against_a_live_engine(live_engine: Engine) -
     argv = healthcheck_argv(health)
     assert argv is not None and argv[0] == "python"
     argv = [sys.executable, *argv[1:]]
-    up = subprocess.run([*argv, "--address", live_engine.address], capture_output=True, timeout=30)
+    up = subprocess.run([*argv, "--address", engine.address], capture_output=True, timeout=30)
     assert up.returncode == 0, up.stderr
     dead = [*argv, "--address", f"127.0.0.1:{free_port()}"]
     assert subprocess.run(dead, capture_output=True, timeout=30).returncode == 1

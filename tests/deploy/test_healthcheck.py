@@ -225,21 +225,21 @@ def test_tls_failures_exit_1(mtls_server: HealthServer, certs: Path, case: str) 
 # ------------------------------------------------------------------ real engines
 
 
-def test_real_engine_is_serving(live_engine: Engine) -> None:
+def test_real_engine_is_serving(engine: Engine) -> None:
     for service in ("", ENGINE_SERVICE):
-        done = run_check("--address", live_engine.address, "--service", service)
+        done = run_check("--address", engine.address, "--service", service)
         assert (done.returncode, done.stderr) == (0, ""), service
-    assert run_check("--address", live_engine.address, "--service", "nope").returncode == 1
+    assert run_check("--address", engine.address, "--service", "nope").returncode == 1
 
 
-def test_runs_without_torch(live_engine: Engine) -> None:
+def test_runs_without_torch(engine: Engine) -> None:
     """With torch (and the other engine extras) made unimportable the check still passes, so it
     never pays torch's import time inside the HEALTHCHECK timeout."""
     code = (
         "import runpy, sys\n"
         "for name in ('torch', 'transformers', 'safetensors', 'cupy', 'numpy'):\n"
         "    sys.modules[name] = None\n"
-        f"sys.argv = ['healthcheck', '--address', {live_engine.address!r}]\n"
+        f"sys.argv = ['healthcheck', '--address', {engine.address!r}]\n"
         "runpy.run_module('engine_svc.healthcheck', run_name='__main__', alter_sys=True)\n"
     )
     done = subprocess.run(
@@ -248,10 +248,8 @@ def test_runs_without_torch(live_engine: Engine) -> None:
     assert (done.returncode, done.stderr) == (0, "")
 
 
-def test_engine_turns_unhealthy_on_shutdown(deploy_cache_dir: Path, deploy_log_dir: Path) -> None:
-    engine = Engine(
-        deploy_cache_dir, deploy_log_dir, "--device", "cpu", "--kv-cache-memory", "8MiB"
-    )
+def test_engine_turns_unhealthy_on_shutdown(cache_dir: Path, log_dir: Path) -> None:
+    engine = Engine(cache_dir, log_dir, "--device", "cpu", "--kv-cache-memory", "8MiB")
     try:
         engine.wait_ready(timeout=180)
         assert run_check("--address", engine.address).returncode == 0
@@ -268,7 +266,7 @@ def test_engine_turns_unhealthy_on_shutdown(deploy_cache_dir: Path, deploy_log_d
 
 
 def test_real_engine_with_mutual_tls_and_health_port(
-    certs: Path, deploy_cache_dir: Path, deploy_log_dir: Path
+    certs: Path, cache_dir: Path, log_dir: Path
 ) -> None:
     """The engine's --tls-* flags and plaintext --health-port, checked the two ways a container
     can: mTLS on the main port, plaintext on the health port."""
@@ -278,7 +276,7 @@ def test_real_engine_with_mutual_tls_and_health_port(
         pytest.skip("this engine has no --tls-cert/--health-port yet")
     health_port = free_port()
     engine = Engine(
-        deploy_cache_dir, deploy_log_dir, "--device", "cpu", "--kv-cache-memory", "8MiB",
+        cache_dir, log_dir, "--device", "cpu", "--kv-cache-memory", "8MiB",
         "--tls-cert", str(certs / "engine.crt"), "--tls-key", str(certs / "engine.key"),
         "--tls-ca", str(certs / "ca.crt"), "--health-port", str(health_port),
     )  # fmt: skip

@@ -22,7 +22,6 @@ import pytest
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 from tests.external_tools import require
-from tests.integration.conftest import cache_dir, channel, engine, log_dir  # noqa: F401
 from tests.integration.grpc_util import add_request, generate, tokens_of
 from tests.integration.harness import Engine
 
@@ -54,7 +53,7 @@ def node_client() -> list[str]:
 
 
 @pytest.fixture()
-def stub(channel: grpc.Channel) -> pb_grpc.EngineStub:  # noqa: F811
+def stub(channel: grpc.Channel) -> pb_grpc.EngineStub:
     return pb_grpc.EngineStub(channel)
 
 
@@ -99,7 +98,7 @@ def long_greedy_flags() -> list[str]:
 
 def test_info_matches_python_client(
     node_client: list[str],
-    engine: Engine,  # noqa: F811
+    engine: Engine,
     stub: pb_grpc.EngineStub,
 ) -> None:
     code, events, stderr = run_client(node_client, engine.address, "info")
@@ -117,7 +116,7 @@ def test_info_matches_python_client(
 
 def test_generate_matches_python_greedy(
     node_client: list[str],
-    engine: Engine,  # noqa: F811
+    engine: Engine,
     stub: pb_grpc.EngineStub,
 ) -> None:
     want = tokens_of(generate(stub, add_request("", PROMPT, 16)))
@@ -147,7 +146,7 @@ def test_generate_matches_python_greedy(
 
 def test_tokens_are_printed_while_the_request_runs(
     node_client: list[str],
-    engine: Engine,  # noqa: F811
+    engine: Engine,
     stub: pb_grpc.EngineStub,
 ) -> None:
     """Read the client's lines as they come; abort from Python once three token lines are out.
@@ -172,7 +171,7 @@ def test_tokens_are_printed_while_the_request_runs(
 
 def test_abort_ends_the_stream_and_frees_the_engine(
     node_client: list[str],
-    engine: Engine,  # noqa: F811
+    engine: Engine,
     stub: pb_grpc.EngineStub,
 ) -> None:
     code, events, stderr = run_client(
@@ -197,7 +196,7 @@ def test_abort_ends_the_stream_and_frees_the_engine(
 
 def test_ctrl_c_cancels_the_call_and_the_engine_drops_the_request(
     node_client: list[str],
-    engine: Engine,  # noqa: F811
+    engine: Engine,
     stub: pb_grpc.EngineStub,
 ) -> None:
     proc = start_client(node_client, engine.address, "generate", *long_greedy_flags())
@@ -221,7 +220,7 @@ def test_ctrl_c_cancels_the_call_and_the_engine_drops_the_request(
 
 def test_rpc_error_exits_non_zero_with_the_status(
     node_client: list[str],
-    engine: Engine,  # noqa: F811
+    engine: Engine,
 ) -> None:
     code, events, stderr = run_client(
         node_client, engine.address, "generate", "--prompt=300,99999", "--max-tokens=4"
