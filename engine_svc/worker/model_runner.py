@@ -263,21 +263,29 @@ class ModelRunner:
     def _prompt_logprobs(
         self, s: ScheduledRequest, hidden: torch.Tensor, last: int, out: ModelRunnerOutput
     ) -> None:
-        """Logprob of each prompt token given the tokens before it, for this step's chunk."""
+        """Logprobs of the prompt tokens this step's chunk predicts, for those not known yet.
+
+        ``req.prompt_logprobs[i]`` is about prompt token i (entry 0 is None). A request preempted
+        during its prefill computes its chunks again; the entries it already has are not
+        produced twice::
+
+            chunk positions      start ............ start + num_tokens
+            predicts tokens      start + 1 ........ (capped at the last prompt token)
+            known entries        [0, known)  -> only positions >= known - 1 are new
+        """
         req = s.request
         start = req.num_computed_tokens
-        n_prompt = req.num_prompt_tokens
-        if start >= n_prompt:
-            return
-        # Chunk token at position p predicts prompt token p + 1.
-        count = min(start + s.num_tokens, n_prompt - 1) - start
-        entries: list[Logprobs | None] = [None] if start == 0 else []
+        known = len(req.prompt_logprobs)
+        first_pos = max(start, known - 1)
+        end_pos = min(start + s.num_tokens, req.num_prompt_tokens - 1)  # exclusive
+        entries: list[Logprobs | None] = [None] if known == 0 and start == 0 else []
+        count = end_pos - first_pos
         if count > 0:
-            first = last - s.num_tokens + 1
-            logits = self.model.compute_logits(hidden[first : first + count]).float()
+            first_row = last - s.num_tokens + 1 + (first_pos - start)
+            logits = self.model.compute_logits(hidden[first_row : first_row + count]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             targets = torch.tensor(
-                req.prompt_token_ids[start + 1 : start + 1 + count], device=self.device
+                req.prompt_token_ids[first_pos + 1 : first_pos + 1 + count], device=self.device
             )
             n = req.sampling_params.prompt_logprobs or 0
             chosen, ranks, top_ids, top_lp = gather_logprobs(logprobs, targets, n)
@@ -290,4 +298,5 @@ class ModelRunner:
                 strict=True,
             ):
                 entries.append(Logprobs(tok, c, rk, dict(zip(ids, lps, strict=True))))
-        out.prompt_logprobs[req.request_id] = entries
+        if entries:
+            out.prompt_logprobs[req.request_id] = entries

@@ -145,3 +145,51 @@ def test_context_is_capped_at_kv_capacity(tiny_models: dict[str, Path]) -> None:
     )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4  # 60 + 4 = 64
     assert small.engine.kv.num_free_blocks == 4
+
+
+def test_prompt_logprobs_survive_preemption_during_chunked_prefill(
+    tiny_models: dict[str, Path],
+) -> None:
+    """A request preempted mid-prefill recomputes its chunks; its prompt logprobs must still
+    come back once per prompt token (they used to be appended again: 97 for 40 tokens)."""
+    from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
+    from engine_svc.core.engine_core import EngineCore
+    from engine_svc.core.scheduler import SchedulerConfig
+
+    model_dir = tiny_models["qwen3"]
+    engine = EngineCore(
+        EngineConfig(
+            model=ModelConfig(str(model_dir), dtype="float32"),
+            cache=CacheConfig(num_kv_blocks=8, enable_prefix_caching=False),  # 128 slots
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16),
+        )
+    )
+    long_runs = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine.add_request("b", _p(30, 21)["prompt_token_ids"], long_runs)
+    engine.add_request("c", _p(30, 22)["prompt_token_ids"], long_runs)
+    prompt = _p(40, 23)["prompt_token_ids"]
+    engine.add_request(
+        "a", prompt, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    )
+    preempted_in_prefill = 0
+    sent: list[list] = []
+    while engine.has_unfinished_requests():
+        before = engine.scheduler.requests.get("a")
+        preemptions = before.num_preemptions if before is not None else 0
+        for o in engine.step().outputs:
+            if o.request_id == "a" and o.prompt_logprobs is not None:
+                sent.append(o.prompt_logprobs)
+        after = engine.scheduler.requests.get("a")
+        if after is not None and after.num_preemptions > preemptions:
+            preempted_in_prefill += after.num_output_tokens == 0
+    assert preempted_in_prefill > 0, "the scenario must preempt 'a' during its prefill"
+    assert len(sent) == 1
+    plp = sent[0]
+    assert len(plp) == len(prompt) and plp[0] is None
+    ref = torch.log_softmax(hf_logits(load_hf(model_dir), prompt), dim=-1)
+    for pos in range(1, len(prompt)):
+        entry = plp[pos]
+        assert entry is not None and entry.token_id == prompt[pos]
+        assert abs(entry.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+        assert len(entry.top) == 2
+    assert engine.kv.num_free_blocks == 8
