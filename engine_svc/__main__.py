@@ -33,6 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the engine loop may go without finishing a step before health turns "
+        "NOT_SERVING and new requests are refused (until it makes progress again)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from engine_svc.core.engine_core import EngineCore
-    from engine_svc.rpc.server import serve
+    from engine_svc.rpc.server import ServerConfig, serve
 
     def build() -> EngineCore:
         """Runs on the engine loop thread, so that all torch work happens on one thread."""
@@ -102,18 +109,20 @@ def main(argv: list[str] | None = None) -> None:
         )
         return EngineCore(config)
 
-    asyncio.run(
-        serve(
-            build,
-            args.host,
-            args.port,
-            args.max_waiting,
-            args.shutdown_timeout,
-            VERSION,
+    try:
+        server = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_waiting=args.max_waiting,
+            shutdown_timeout_s=args.shutdown_timeout,
+            stall_timeout_s=args.stall_timeout,
+            version=VERSION,
             tls=tls,
             health_port=args.health_port,
         )
-    )
+        asyncio.run(serve(build, server))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"python -m engine_svc: error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from engine_svc.core.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+_IDLE_WAIT_S = 0.5  # an idle loop wakes this often, so its heartbeat stays fresh
+
 
 @dataclass
 class LoadFigures:
@@ -68,7 +70,11 @@ class QueueFull(Exception):
     """The waiting queue is at --max-waiting."""
 
 
-class Draining(Exception):
+class Unavailable(Exception):
+    """The engine takes no new work: shutting down, stalled, or its loop died."""
+
+
+class Draining(Unavailable):
     """The engine is shutting down and takes no new work."""
 
 
@@ -88,8 +94,22 @@ class _Abort:
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], EngineCore], max_waiting: int = 1024) -> None:
+    """Owns the loop thread. ``stall_timeout_s``: how long the loop may go without finishing a
+    step (or an idle wait) before it counts as stalled: health NOT_SERVING, new work refused."""
+
+    def __init__(
+        self,
+        build: Callable[[], EngineCore],
+        max_waiting: int = 1024,
+        stall_timeout_s: float = 60.0,
+    ) -> None:
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
         self._build = build
+        self.stall_timeout_s = stall_timeout_s
+        # Monotonic time the loop last showed progress: a step finished, or an idle wait ended
+        # (an idle loop wakes every _IDLE_WAIT_S). Written by the loop thread only.
+        self._heartbeat = time.monotonic()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.core: EngineCore  # set by the loop thread before start() returns
@@ -128,6 +148,17 @@ class EngineLoop:
         if mine:
             self._inbox.put(_Abort(mine))
 
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot take work now (None: it can). Health follows this."""
+        if self.draining:
+            return "the engine is shutting down"
+        if self._built.is_set() and not self._thread.is_alive():
+            return "the engine loop has stopped; see the engine log"
+        age = time.monotonic() - self._heartbeat
+        if age > self.stall_timeout_s:
+            return f"the engine loop has made no progress for {age:.1f}s"
+        return None
+
     def submit(
         self,
         client: str,
@@ -137,10 +168,13 @@ class EngineLoop:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request (already validated). Raises QueueFull, Draining, or ValueError for
-        an id the client already has in flight."""
+        """Queue a request (already validated). Raises QueueFull, Unavailable (Draining while
+        shutting down), or ValueError for an id the client already has in flight."""
         if self.draining:
             raise Draining("the engine is shutting down")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise Unavailable(reason)
         internal = f"{client}/{request_id}"
         with self._lock:
             if internal in self._owner:
@@ -188,6 +222,7 @@ class EngineLoop:
             self._built.set()
         try:
             while not self._stop.is_set():
+                self._heartbeat = time.monotonic()
                 self._drain(block=not self.core.has_unfinished_requests())
                 if self._stop.is_set():
                     break
@@ -196,13 +231,12 @@ class EngineLoop:
                     self.load.update(step.stats)
                     self._route(step.outputs)
         except Exception:  # a bug in the engine: fail every request loudly, never hang them
-            logger.exception("engine loop crashed")
+            logger.exception("engine loop crashed; health is NOT_SERVING from now on")
             self._fail_all(RuntimeError("the engine loop crashed; see the engine log"))
-            raise
 
     def _drain(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         batches: dict[str, ClientBatch] = {}

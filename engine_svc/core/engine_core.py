@@ -54,6 +54,22 @@ class ModelInfo:
                 f"{self.max_model_len} and at least one token must be generated"
             )
 
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
+        """``check_prompt``, plus: the prompt and ``max_tokens`` must fit the context together.
+
+        This is the contract's rule (CONTEXT_LENGTH_EXCEEDED): a served request is refused rather
+        than silently cut at max_model_len. ``max_tokens`` None means "the rest of the context".
+        The offline API is lenient instead, as vLLM's: it only checks the prompt, and a request
+        that reaches max_model_len finishes with ``length``.
+        """
+        self.check_prompt(prompt_token_ids)
+        n = len(prompt_token_ids)
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
+                f"tokens; the model's context length is {self.max_model_len}"
+            )
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2_grpc
 
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.engine_loop import EngineLoop
+from engine_svc.rpc import handlers, health, reflection
 from engine_svc.rpc.servicer import EngineServicer
 from engine_svc.rpc.tls import TlsConfig
 from protos.tandem.engine.v1 import engine_pb2 as pb
-from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["Engine"]
+SERVICE_NAME = SERVICE.full_name
 MAX_MESSAGE_BYTES = 64 * 2**20
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -30,86 +34,167 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC turns SO_REUSEPORT on by default: a second engine on the same port would start, and
+    # the kernel would split new connections between the two. One port, one engine.
+    ("grpc.so_reuseport", 0),
 ]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the engine serves, from the command line (``python -m engine_svc``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_waiting: int = 1024
+    shutdown_timeout_s: float = 30.0
+    # No finished step for this long, with the loop busy, reads as stalled (NOT_SERVING).
+    stall_timeout_s: float = 60.0
+    version: str = "0.0.0"
+    tls: TlsConfig | None = None
+    # An extra plaintext port serving only grpc.health.v1, for probes that cannot do TLS.
+    health_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
 
 
 async def serve(
     build: Callable[[], EngineCore],
-    host: str,
-    port: int,
-    max_waiting: int,
-    shutdown_timeout: float,
-    version: str,
+    config: ServerConfig,
     started: asyncio.Event | None = None,
-    tls: TlsConfig | None = None,
-    health_port: int | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Build the engine (``build`` runs on the engine loop thread) and serve it until
-    SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new work, let in-flight
-    requests finish within ``shutdown_timeout`` seconds, abort the rest, stop.
+    """Build the engine (``build`` runs on the engine loop thread) and serve it until ``stop``
+    is set (None: until SIGTERM/SIGINT), then drain: NOT_SERVING, refuse new work, let
+    in-flight requests finish within the shutdown timeout, abort the rest, end every open call,
+    stop.
 
-    With ``tls`` the port speaks TLS (mutual TLS when it names a CA). ``health_port`` adds a
-    plaintext port serving only ``grpc.health.v1``, for probes that cannot speak TLS (kubelet).
+    Raises ``OSError`` when a port is taken, before building the engine when it can tell.
     """
-    loop = EngineLoop(build, max_waiting=max_waiting)
+    ports = [config.port] + ([config.health_port] if config.health_port is not None else [])
+    for port in ports:
+        _check_port_free(config.host, port)  # fail in a second, not after loading the model
+    loop = EngineLoop(build, config.max_waiting, config.stall_timeout_s)
     core = loop.start()  # the loop thread builds the engine: see engine_loop's docstring
-    model_dir = core.config.model.model
+    try:
+        await _serve_built(loop, core, config, started, stop)
+    finally:
+        loop.stop()
+
+
+async def _serve_built(
+    loop: EngineLoop,
+    core: EngineCore,
+    config: ServerConfig,
+    started: asyncio.Event | None,
+    stop: asyncio.Event | None,
+) -> None:
+    servicer = EngineServicer(loop, core.info, core.config.model.model, config.version)
+    health_service = health.HealthService(("", SERVICE_NAME))
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_EngineServicer_to_server(
-        EngineServicer(loop, core.info, model_dir, version), server
-    )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    bound = _add_port(server, host, port, tls)
+    handlers.add_service(servicer, SERVICE, server)
+    _add_health(health_service, server)
+    reflection.enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
+    bound = _add_port(server, config.host, config.port, config.tls)
     health_server = None
-    if health_port is not None:
+    if config.health_port is not None:
         health_server = grpc.aio.server(options=SERVER_OPTIONS)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        health_port = _add_port(health_server, host, health_port, None)
+        _add_health(health_service, health_server)
+        health_port = _add_port(health_server, config.host, config.health_port, None)
         await health_server.start()
-        logger.info("plaintext health port %s:%d", host, health_port)
+        logger.info("plaintext health port %s:%d", config.host, health_port)
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_service.set_serving(True)
+    watchdog = asyncio.create_task(_watch_progress(loop, health_service), name="engine-health")
     logger.info(
         "engine serving %s on %s:%d (%s)",
         core.info.name,
-        host,
+        config.host,
         bound,
-        tls.mode if tls else "plaintext",
+        config.tls.mode if config.tls else "plaintext",
     )
-    print(f"TANDEM_ENGINE_READY {host}:{bound}", flush=True)
+    print(f"TANDEM_ENGINE_READY {config.host}:{bound}", flush=True)
     if started is not None:
         started.set()
 
-    stop = asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        aio_loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
 
-    logger.info("shutting down: draining for up to %.1fs", shutdown_timeout)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    aborted = await asyncio.to_thread(loop.drain_and_abort, shutdown_timeout)
+    logger.info("shutting down: draining for up to %.1fs", config.shutdown_timeout_s)
+    watchdog.cancel()
+    loop.draining = True
+    await health_service.set_serving(False)
+    aborted = await asyncio.to_thread(loop.drain_and_abort, config.shutdown_timeout_s)
     if aborted:
         logger.warning("aborted %d requests still running at the shutdown timeout", aborted)
     await asyncio.sleep(0.2)  # let the last outputs reach their streams
-    await server.stop(grace=1.0)
+    # End the long-lived calls ourselves (Streams: UNAVAILABLE, health Watch: NOT_SERVING), so
+    # the server has nothing left to cancel: a cancelled call logs a traceback.
+    servicer.close_streams("the engine is shutting down")
+    await health_service.close()
+    await server.stop(grace=2.0)
     if health_server is not None:
-        await health_server.stop(grace=None)
-    loop.stop()
+        await health_server.stop(grace=1.0)
+
+
+async def _watch_progress(loop: EngineLoop, service: health.HealthService) -> None:
+    """Keep health in step with the loop: NOT_SERVING while it is stalled or dead."""
+    interval = min(0.5, loop.stall_timeout_s / 4)
+    serving = True
+    while True:
+        await asyncio.sleep(interval)
+        reason = loop.unavailable_reason()
+        if (reason is None) != serving:
+            serving = reason is None
+            if serving:
+                logger.warning("engine loop is making progress again: SERVING")
+            else:
+                logger.error("engine NOT_SERVING: %s", reason)
+            await service.set_serving(serving)
+
+
+def _add_health(service: health.HealthService, server: grpc.aio.Server) -> None:
+    health_pb2_grpc.add_HealthServicer_to_server(service, server)
 
 
 def _add_port(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
     address = f"{host}:{port}"
-    if tls is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, tls.server_credentials())
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError:  # grpcio's "Failed to bind to address"
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {address}")
+        raise OSError(f"cannot listen on {address}: the address is in use or unavailable")
     return bound
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise OSError if something already listens on ``host:port`` (port 0: any free port)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # leave the verdict to the real bind
+    for family, kind, proto, _, addr in infos:
+        with contextlib.closing(socket.socket(family, kind, proto)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(
+                        f"cannot listen on {host}:{port}: the port is already in use "
+                        "(another engine?)"
+                    ) from None

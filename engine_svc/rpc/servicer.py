@@ -3,19 +3,23 @@
 Stream:   one client per call; its requests' outputs come back once per engine step.
 Generate: one request per call; cancelling the call aborts it.
 Errors:   INVALID_ARGUMENT (parameter named), OUT_OF_RANGE (context length), RESOURCE_EXHAUSTED
-          (waiting queue full), UNAVAILABLE (draining), as the proto's ErrorCode documents. In
-          Stream they arrive per request, never ending the stream.
+          (waiting queue full), UNAVAILABLE (draining, stalled), as the proto's ErrorCode
+          documents. In Stream they arrive per request, never ending the stream; a Stream ends
+          with a status only on a malformed message (INVALID_ARGUMENT) or when the engine stops
+          (UNAVAILABLE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -23,8 +27,9 @@ import grpc
 from engine_svc.core.engine_core import ModelInfo
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.engine_loop import ClientBatch, Draining, EngineLoop, QueueFull
+from engine_svc.engine_loop import ClientBatch, EngineLoop, QueueFull, Unavailable
 from engine_svc.rpc import convert
+from engine_svc.rpc.handlers import Malformed
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -46,12 +51,26 @@ _CHUNK = 1 << 20
 _client_ids = itertools.count()
 
 
+@dataclass(frozen=True)
+class _Close:
+    """Ends a Stream with a status: a malformed message, or the engine stopping."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+# What a Stream's inbox carries: a message with the request ids that end in it, a _Close, or
+# None when the client half-closed.
+_StreamItem = tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
+
+
 class EngineServicer(pb_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, info: ModelInfo, model_dir: str, version: str) -> None:
         self.loop = loop
         self.info = info
         self.model_dir = Path(model_dir)
         self.version = version
+        self._streams: set[asyncio.Queue[_StreamItem]] = set()  # inboxes of the open Streams
 
     # ------------------------------------------------------------------ validation
     def _validate(self, add: pb.AddRequest) -> tuple[str, list[int], SamplingParams]:
@@ -59,8 +78,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         if not add.request_id:
             raise ValueError("request_id must not be empty")
         prompt = list(add.prompt_token_ids)
-        self.info.check_prompt(prompt)
         params = convert.sampling_params_from_pb(add.sampling_params, self.info.max_logprobs)
+        self.info.check_request(prompt, params.max_tokens)
         return add.request_id, prompt, params
 
     def _submit(self, client: str, add: pb.AddRequest) -> None:
@@ -77,27 +96,42 @@ class EngineServicer(pb_grpc.EngineServicer):
     # ------------------------------------------------------------------ Stream
     async def Stream(  # noqa: N802 - gRPC method name
         self,
-        request_iterator: AsyncIterator[pb.EngineCoreRequest],
+        request_iterator: AsyncIterator[pb.EngineCoreRequest | Malformed],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.EngineCoreOutputs]:
         client = f"s{next(_client_ids)}"
         aio_loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[pb.EngineCoreOutputs | None] = asyncio.Queue()
+        inbox: asyncio.Queue[_StreamItem] = asyncio.Queue()
 
         def sink(batch: ClientBatch) -> None:
-            aio_loop.call_soon_threadsafe(inbox.put_nowait, _batch_to_pb(batch))
+            # Runs on the engine loop thread. The ids that end here travel with the message, so
+            # this handler counts them itself (see ``in_flight`` below).
+            ended = [o.request_id for o in batch.outputs if o.finished]
+            ended += [rid for rid, _ in batch.errors]
+            aio_loop.call_soon_threadsafe(inbox.put_nowait, (_batch_to_pb(batch), ended))
 
         self.loop.register(client, sink)
+        self._streams.add(inbox)
+        # Requests this stream added that have not ended yet, counted on this event loop from
+        # the messages themselves. (Asking the engine loop instead raced: it forgets a request
+        # before its final output reaches this queue, so a half-closed stream could end first
+        # and lose that output.) A Counter, since a finished id may be reused at once.
+        in_flight: collections.Counter[str] = collections.Counter()
 
         async def read() -> None:
             try:
                 async for msg in request_iterator:
+                    if isinstance(msg, Malformed):
+                        inbox.put_nowait(_Close(grpc.StatusCode.INVALID_ARGUMENT, msg.describe()))
+                        return
                     kind = msg.WhichOneof("kind")
                     if kind == "add":
                         try:
                             self._submit(client, msg.add)
-                        except (ValueError, QueueFull, Draining) as e:
-                            inbox.put_nowait(_error_msg(msg.add.request_id, e, self.loop))
+                        except (ValueError, QueueFull, Unavailable) as e:
+                            inbox.put_nowait((_error_msg(msg.add.request_id, e, self.loop), []))
+                        else:
+                            in_flight[msg.add.request_id] += 1
                     elif kind == "abort":
                         self.loop.abort(client, list(msg.abort.request_ids))
             finally:
@@ -108,16 +142,30 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             while True:
                 # A client that half-closed gets everything it has in flight, then the end.
-                if half_closed and not self.loop.has_requests(client) and inbox.empty():
+                if half_closed and not +in_flight and inbox.empty():
                     break
                 item = await inbox.get()
                 if item is None:
                     half_closed = True
                     continue
-                yield item
+                if isinstance(item, _Close):
+                    if item.code is grpc.StatusCode.INVALID_ARGUMENT:
+                        logger.warning("stream %s: %s; closing it", client, item.details)
+                    await context.abort(item.code, item.details)
+                    return  # abort() raises; this only tells type checkers
+                message, ended = item
+                in_flight.subtract(ended)
+                yield message
         finally:
+            self._streams.discard(inbox)
             reader.cancel()
             self.loop.unregister(client)  # aborts everything this stream still carried
+
+    def close_streams(self, details: str) -> None:
+        """End every open Stream with UNAVAILABLE (the engine is stopping), so none is left for
+        the server to cancel mid-call."""
+        for inbox in list(self._streams):
+            inbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
 
     # ------------------------------------------------------------------ Generate
     async def Generate(  # noqa: N802
@@ -139,7 +187,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             try:
                 self._submit(client, add)
-            except (ValueError, QueueFull, Draining) as e:
+            except (ValueError, QueueFull, Unavailable) as e:
                 await context.abort(_status_code(e), str(e))
             while True:
                 batch = await inbox.get()
@@ -196,7 +244,7 @@ def _status_code(e: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(e, Draining):
+    if isinstance(e, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
@@ -229,7 +277,7 @@ def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:
 def _error_msg(request_id: str, e: Exception, loop: EngineLoop) -> pb.EngineCoreOutputs:
     if isinstance(e, QueueFull):
         code = pb.ERROR_CODE_RESOURCE_EXHAUSTED
-    elif isinstance(e, Draining):
+    elif isinstance(e, Unavailable):
         code = pb.ERROR_CODE_UNAVAILABLE
     else:
         code = convert.error_code(e)  # type: ignore[assignment]

@@ -49,6 +49,39 @@ def test_prompt_at_max_model_len(channel: grpc.Channel) -> None:
     assert "2048" in details and "context length" in details
 
 
+def test_prompt_plus_max_tokens_over_context_is_refused(channel: grpc.Channel) -> None:
+    """The contract refuses (OUT_OF_RANGE / CONTEXT_LENGTH_EXCEEDED) instead of streaming until
+    the context is full and ending with LENGTH."""
+    stub = pb_grpc.EngineStub(channel)
+    error = _status(stub, add_request("over", [300] * 2000, 49))
+    assert error.code() == grpc.StatusCode.OUT_OF_RANGE  # type: ignore[attr-defined]
+    details = error.details()  # type: ignore[attr-defined]
+    assert "2000" in details and "49" in details and "2048" in details, details
+    session = StreamSession(stub)
+    try:
+        session.add(add_request("over-on-stream", [300] * 2000, 49))
+        reply = next(iter(session))
+        assert [(e.request_id, e.code) for e in reply.errors] == [
+            ("over-on-stream", pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED)
+        ]
+        # Exactly at the limit is fine: 2000 + 48 = 2048.
+        session.add(add_request("fits", [300] * 2000, 48))
+        tokens = []
+        for m in session:
+            assert not m.errors, m.errors
+            for o in m.outputs:
+                tokens += o.new_token_ids
+                if o.finish_reason:
+                    assert o.finish_reason == pb.FINISH_REASON_LENGTH
+                    break
+            else:
+                continue
+            break
+        assert len(tokens) == 48
+    finally:
+        session.cancel()
+
+
 # ------------------------------------------------------------------ a one-slot engine
 
 

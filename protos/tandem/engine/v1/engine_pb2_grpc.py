@@ -79,9 +79,11 @@ class EngineServicer:
         carry only `load` figures. Requests are independent: an invalid or rejected request is
         answered with a RequestError for that request id and the stream carries on.
 
-        Closing the stream (either half-close by the client or cancellation) aborts every request the
-        stream added that has not finished yet. The engine ends the stream with a gRPC status only
-        when the whole engine stops (UNAVAILABLE) or the stream itself is unusable.
+        Closing the stream by cancelling it aborts every request the stream added that has not
+        finished yet. A client that half-closes still receives the outputs of its requests in flight
+        until the last one finishes; then the engine ends the stream with OK. The engine ends the
+        stream with an error status only when the whole engine stops (UNAVAILABLE) or a message on it
+        cannot be parsed (INVALID_ARGUMENT; the stream's requests are aborted).
 
         The names EngineCoreRequest / EngineCoreOutputs are the design's names (they mirror vLLM's
         engine-core messages) and are kept on purpose; see protos/buf.yaml.
