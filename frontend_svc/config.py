@@ -15,10 +15,14 @@ ENV_PREFIX = "TANDEM_"
 
 @dataclass(frozen=True)
 class BackoffConfig:
-    """Exponential backoff between engine reconnection attempts."""
+    """Exponential backoff between engine reconnection attempts.
 
-    initial_s: float = 0.25
-    max_s: float = 5.0
+    The cap is short on purpose: a restarted engine is back in rotation within about
+    ``max_s`` of its readiness, and a refused loopback or LAN connect every half second costs
+    nothing worth saving."""
+
+    initial_s: float = 0.1
+    max_s: float = 0.5
     multiplier: float = 2.0
 
     def __post_init__(self) -> None:

@@ -6,6 +6,10 @@ request id into those queues. A consumer that goes away (its generator is closed
 client send an abort. When the stream breaks, every in-flight request gets an
 :class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
 fetching model info and the tokenizer again before it reports itself connected.
+
+Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
+drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
+pool stops sending it new requests while it cannot generate.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine_types import (
@@ -53,6 +58,7 @@ _ERROR_CODES = {
     pb.ERROR_CODE_INTERNAL: EngineErrorCode.INTERNAL,
 }
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # tokenizer chunks and long prompts
+ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
 class EngineClient:
@@ -81,6 +87,8 @@ class EngineClient:
         self._outbox: asyncio.Queue[pb.EngineCoreRequest | None] | None = None
         self._epoch = 0  # bumped on every (re)connection; requests remember theirs
         self._connected = asyncio.Event()
+        # The engine's own verdict (grpc.health.v1 Watch): False while it drains or is stalled.
+        self._serving = False
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.model_info: ModelInfo | None = None
@@ -107,6 +115,11 @@ class EngineClient:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def serving(self) -> bool:
+        """Connected, and the engine says it can generate (health SERVING)."""
+        return self._connected.is_set() and self._serving
 
     async def wait_connected(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a connection; return whether there is one."""
@@ -204,6 +217,7 @@ class EngineClient:
             channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
         outbox: asyncio.Queue[pb.EngineCoreRequest | None] = asyncio.Queue()
         connected = accepted = False
+        watcher: asyncio.Task[None] | None = None
         try:
             stub = pb_grpc.EngineStub(channel)
             info = _model_info(
@@ -215,6 +229,7 @@ class EngineClient:
                 await self._on_connect(info, files)
             call = stub.Stream(_drain(outbox))
             await call.wait_for_connection()
+            watch = await self._open_health_watch(channel)
             self.model_info = info
             self._epoch += 1
             self._outbox = outbox
@@ -222,6 +237,8 @@ class EngineClient:
             self.last_error = None
             connected = True
             logger.info("connected to engine %s (%s)", self.address, info.served_model_name)
+            if watch is not None:
+                watcher = asyncio.create_task(self._follow_health(watch), name="engine-health")
             try:
                 async for message in call:
                     self._dispatch(message)
@@ -230,6 +247,9 @@ class EngineClient:
                 self.last_error = f"{e.code().name}: {e.details()}"
             return True
         finally:
+            if watcher is not None:
+                watcher.cancel()
+            self._serving = False
             self._connected.clear()
             self._outbox = None
             outbox.put_nowait(None)
@@ -238,6 +258,49 @@ class EngineClient:
             if accepted and self._on_disconnect is not None:
                 self._on_disconnect()
             await channel.close(grace=None)
+
+    async def _open_health_watch(
+        self, channel: grpc.aio.Channel
+    ) -> grpc.aio.UnaryStreamCall | None:
+        """Start watching the engine's health and take its first answer as the current state.
+
+        Returns the call to keep following, or None for an engine without a health service
+        (then the open stream is all there is to go by, and it counts as serving).
+        """
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=ENGINE_SERVICE)
+        )
+        try:
+            first = await asyncio.wait_for(watch.read(), self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._serving = True
+            return None
+        if first is grpc.aio.EOF:
+            raise EngineUnavailableError("the engine ended its health watch at once")
+        self._set_serving(first.status == health_pb2.HealthCheckResponse.SERVING)
+        return watch
+
+    async def _follow_health(self, watch: grpc.aio.UnaryStreamCall) -> None:
+        try:  # read(), not async for: grpc.aio forbids mixing the two on one call
+            while (reply := await watch.read()) is not grpc.aio.EOF:
+                self._set_serving(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.aio.AioRpcError as e:
+            if e.code() is grpc.StatusCode.CANCELLED:
+                return
+            logger.warning("health watch of engine %s broke: %s", self.address, e.code().name)
+        except Exception:  # a bug here must not leave the engine in rotation silently
+            logger.exception("following the health of engine %s failed", self.address)
+        # The engine ended the watch (it is stopping) or it broke: out of rotation until the
+        # connection is made again.
+        self._set_serving(False)
+
+    def _set_serving(self, serving: bool) -> None:
+        if serving != self._serving:
+            log = logger.info if serving else logger.warning
+            log("engine %s is %s", self.address, "SERVING" if serving else "NOT_SERVING")
+        self._serving = serving
 
     async def _fetch_tokenizer(self, stub: pb_grpc.EngineStub) -> TokenizerFiles:
         files: dict[str, bytearray] = {}

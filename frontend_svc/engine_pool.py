@@ -195,7 +195,8 @@ class EnginePool:
         return [
             {
                 "address": a,
-                "connected": self._usable(e),
+                "connected": e.client.connected,
+                "serving": self._usable(e),
                 "in_flight": e.in_flight,
                 "load": e.load,
                 **({"error": e.client.last_error} if e.client.last_error else {}),
@@ -205,14 +206,18 @@ class EnginePool:
         ]
 
     def unavailable_reason(self) -> str:
-        errors = [f"{a}: {e.client.last_error}" for a, e in self._engines.items()]
-        errors = [m for m in errors if not m.endswith(": None")]
+        errors = []
+        for a, e in self._engines.items():
+            if e.client.connected and not e.client.serving:
+                errors.append(f"{a}: not serving (draining or stalled)")
+            elif not e.client.connected and e.client.last_error:
+                errors.append(f"{a}: {e.client.last_error}")
         if not self._engines:
             return f"no engine address resolved from {self.config.engine_address}" + (
                 f" ({self.last_error})" if self.last_error else ""
             )
         detail = "; ".join(errors) if errors else "connecting"
-        return f"no engine connected ({detail})"
+        return f"no engine can serve ({detail})"
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -251,7 +256,7 @@ class EnginePool:
                     self._retire_now(address)
 
     def _usable(self, e: _Engine) -> bool:
-        return e.client.connected and e.info is not None and not e.retiring
+        return e.client.serving and e.info is not None and not e.retiring
 
     def _pick(self, request: EngineRequest, exclude: set[str]) -> _Engine | None:
         candidates = {

@@ -23,6 +23,7 @@ class GatewayState:
         self.config = config
         self.metrics = Metrics(config.served_model_name or "")
         self.tokenizer: Tokenizer | None = None
+        self._tokenizer_source: object = None  # what self.tokenizer was built from
         self.model_info: ModelInfo | None = None
         self.engines = EnginePool(
             config,
@@ -33,7 +34,14 @@ class GatewayState:
         )
 
     async def _on_connect(self, info: ModelInfo, files: TokenizerFiles) -> None:
-        tokenizer = await asyncio.to_thread(Tokenizer.from_files, files, info)
+        # An engine reconnecting (restarted, or one more replica) usually brings the tokenizer
+        # already loaded; building a large one again would cost a second before serving.
+        source = (files, info.vocab_size, info.bos_token_id, info.eos_token_ids)
+        if self.tokenizer is not None and source == self._tokenizer_source:
+            tokenizer = self.tokenizer
+        else:
+            tokenizer = await asyncio.to_thread(Tokenizer.from_files, files, info)
+            self._tokenizer_source = source
         self.tokenizer, self.model_info = tokenizer, info
         self.metrics.model_name = self.config.served_model_name or info.served_model_name
         logger.info(

@@ -126,7 +126,7 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) 
 
 
 def usable(pool: EnginePool) -> set[str]:
-    return {str(d["address"]) for d in pool.describe() if d["connected"]}
+    return {str(d["address"]) for d in pool.describe() if d["serving"]}
 
 
 def entry(pool: EnginePool, address: str) -> dict[str, object] | None:

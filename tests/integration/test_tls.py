@@ -151,7 +151,7 @@ def test_gateway_over_mtls(certs: Path, tls_engine: Engine, cache_dir: Path, log
                 statuses.add(r.status_code)
                 time.sleep(0.2)
             assert statuses == {503}, bad
-            assert "no engine connected" in r.json()["error"]["message"]
+            assert "no engine can serve" in r.json()["error"]["message"]
         finally:
             g.kill()
 
