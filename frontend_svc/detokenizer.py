@@ -11,11 +11,16 @@ neighbours (leading spaces, byte fallback) decode consistently::
 
 When the new text ends in U+FFFD the last token is an incomplete UTF-8 sequence (one multi-byte
 character split across byte-level tokens); it is held back until the next token completes it.
+
+Only the window (ids from ``prefix_offset`` on) is kept. With ``skip_special_tokens`` a special
+token decodes to nothing and does not change its neighbours' text (the tokenizer drops it before
+decoding), so special ids never enter the window: a long run of them would otherwise grow it
+without bound, and every push would decode an ever longer window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 # How many prompt tokens the first window reaches back (vLLM uses the same figure).
@@ -37,36 +42,48 @@ class IncrementalDetokenizer:
         decoder: Decoder,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        special_token_ids: Collection[int] = (),
     ) -> None:
+        """``special_token_ids``: the ids ``skip_special_tokens`` drops (left out of the window)."""
         self._decoder = decoder
         self._skip = skip_special_tokens
-        tail = list(prompt_token_ids[-INITIAL_PREFIX_TOKENS:])
-        self._ids: list[int] = tail
-        self._prefix_offset = 0
-        self._read_offset = len(tail)
+        self._dropped = frozenset(special_token_ids) if skip_special_tokens else frozenset()
+        tail = self._kept(prompt_token_ids[-INITIAL_PREFIX_TOKENS:])
+        self._window: list[int] = tail  # the ids from prefix_offset on
+        self._read_offset = len(tail)  # into the window: decode(window[:read]) was emitted
         self.text = ""  # everything emitted so far
+
+    @property
+    def window_size(self) -> int:
+        """Ids held for the next decode: the prefix context plus ids whose text is pending."""
+        return len(self._window)
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (possibly empty)."""
-        self._ids.extend(new_token_ids)
+        self._window.extend(self._kept(new_token_ids))
         return self._advance(flush=False)
 
     def flush(self) -> str:
         """Emit whatever is held back (at the end of the sequence), even if incomplete."""
         return self._advance(flush=True)
 
+    def _kept(self, token_ids: Sequence[int]) -> list[int]:
+        if not self._dropped:
+            return list(token_ids)
+        return [t for t in token_ids if t not in self._dropped]
+
     def _advance(self, flush: bool) -> str:
-        if self._read_offset >= len(self._ids):
+        if self._read_offset >= len(self._window):
             return ""
-        window = self._ids[self._prefix_offset :]
         prefix_text = self._decoder.decode(
-            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+            self._window[: self._read_offset], skip_special_tokens=self._skip
         )
-        full_text = self._decoder.decode(window, skip_special_tokens=self._skip)
+        full_text = self._decoder.decode(self._window, skip_special_tokens=self._skip)
         if not flush and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
             return ""  # nothing new yet, or an incomplete character at the end
         delta = full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        # The new prefix_offset is the old read_offset; the new read_offset is the end.
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
         self.text += delta
         return delta

@@ -98,6 +98,7 @@ def generate(
                 options.skip_special_tokens,
                 index=index,
                 prompt_index=p_idx,
+                min_tokens=options.min_tokens,
             )
             streams.append(_run_sequence(state.engines, engine_request, processor, state.metrics))
     return merge(streams)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from frontend_svc.engine_types import TokenLogprob
 from frontend_svc.tokenizer import Tokenizer
 
 
+class TokenTexts(Protocol):
+    """What the completions logprobs need of a tokenizer (``Tokenizer`` has it)."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+
 class CompletionLogprobs:
     """Builds the completions ``logprobs`` object; ``text_offset`` continues across calls."""
 
-    def __init__(self, tokenizer: Tokenizer, num_top: int, start_offset: int = 0) -> None:
+    def __init__(self, tokenizer: TokenTexts, num_top: int, start_offset: int = 0) -> None:
         self._tok = tokenizer
         self._num_top = num_top
         self.offset = start_offset
@@ -35,15 +41,29 @@ class CompletionLogprobs:
                 top.append(None)
                 continue
             token_logprobs.append(entry.logprob)
-            alternatives = {self._tok.token_text(t): lp for t, lp in entry.top[: self._num_top]}
-            alternatives.setdefault(text, entry.logprob)
-            top.append(alternatives)
+            top.append(self._top_by_text(entry))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def _top_by_text(self, entry: TokenLogprob) -> dict[str, float]:
+        """The top alternatives plus the chosen token, keyed by decoded text.
+
+        Several ids can decode to the same text; each text keeps the highest logprob among them,
+        whether it came from an alternative or from the chosen token itself. So no entry shows
+        less than the most likely token spelled that way, and the chosen token's own logprob
+        appears under its text only when no likelier alternative reads the same.
+        """
+        best: dict[str, float] = {}
+        candidates = [*entry.top[: self._num_top], (entry.token_id, entry.logprob)]
+        for token_id, logprob in candidates:  # most likely first, the chosen token last
+            key = self._tok.token_text(token_id)
+            if key not in best or logprob > best[key]:
+                best[key] = logprob
+        return best
 
 
 def chat_logprobs(

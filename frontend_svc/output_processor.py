@@ -2,6 +2,12 @@
 
 When a stop string appears the sequence reports ``finish_reason="stop"`` with the string as
 ``stop_reason``; the caller then stops reading, which aborts the request on the engine.
+
+Two vLLM rules: stop strings count only once the output has more than ``min_tokens`` tokens, and
+when the engine ends a sequence on a token (EOS or a stop token id: ``finish_reason`` stop) that
+token's text is dropped unless ``include_stop_str_in_output``; its id stays in ``token_ids`` and
+its logprob in ``logprobs``. The text before that token is still searched for stop strings (a
+stop string found there wins, as in vLLM's detokenizer).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
-from frontend_svc.engine_types import EngineOutput, TokenLogprob
+from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
 from frontend_svc.stop_strings import StopStringMatcher
 from frontend_svc.tokenizer import Tokenizer
 
@@ -44,9 +50,15 @@ class OutputProcessor:
         skip_special_tokens: bool,
         index: int,
         prompt_index: int,
+        min_tokens: int = 0,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens, tokenizer.special_token_ids
+        )
         self._stops = StopStringMatcher(stop, include_stop_str_in_output)
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
         self._num_prompt_tokens = len(prompt_token_ids)
         self.index = index
         self.prompt_index = prompt_index
@@ -54,10 +66,23 @@ class OutputProcessor:
         self.finished = False
 
     def process(self, out: EngineOutput) -> SequenceDelta:
-        text = self._detok.push(out.new_token_ids)
+        ids = out.new_token_ids
+        stop_terminated = out.finish_reason is FinishReason.STOP
+        if stop_terminated and ids and not self._include_stop:
+            ids = ids[:-1]  # the stop token's text never shows
+        # Tokens up to min_tokens (counted from the first output token) cannot end on a stop
+        # string; the rest of this output can.
+        num_unarmed = min(len(ids), max(0, self._min_tokens - self._num_output_tokens))
+        self._num_output_tokens += len(out.new_token_ids)
+        emitted = ""
+        if num_unarmed:
+            unarmed = self._detok.push(ids[:num_unarmed])
+            emitted = self._stops.feed(unarmed, armed=False).text
+        text = self._detok.push(ids[num_unarmed:])
         if out.finished:
             text += self._detok.flush()
-        match = self._stops.feed(text, final=out.finished)
+        armed = self._num_output_tokens > self._min_tokens
+        match = self._stops.feed(text, final=out.finished, armed=armed)
         finish: str | None = out.finish_reason.value if out.finish_reason else None
         stop_reason: int | str | None = out.stop_reason
         if match.stop is not None:
@@ -67,7 +92,7 @@ class OutputProcessor:
         return SequenceDelta(
             index=self.index,
             prompt_index=self.prompt_index,
-            text=match.text,
+            text=emitted + match.text,
             token_ids=out.new_token_ids,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs if first else (),

@@ -2,6 +2,16 @@
 
 Text that could still turn into a stop string (a suffix that is a prefix of one) is held back,
 so a stream never shows the start of a stop string that is later cut off.
+
+Until ``min_tokens`` is reached the stop strings are not armed (vLLM's rule: they count only once
+the output has more than ``min_tokens`` tokens). Text fed unarmed is emitted like any other text,
+and a stop string found later must end in armed text; it may start in unarmed text that is still
+held back (vLLM searches from ``len(stop) - 1`` characters before the new text)::
+
+    text      u u u u u a b | s t
+                  ^emitted  ^armed_from
+    a match must end after armed_from, so it starts at or after armed_from - len(stop) + 1,
+    and never before emitted: text already emitted is never cut.
 """
 
 from __future__ import annotations
@@ -26,22 +36,31 @@ class StopStringMatcher:
         self._include = include_stop_in_output
         self._text = ""
         self._emitted = 0  # self._text[:self._emitted] has been returned
+        self._armed_from = 0  # a stop string counts only if it ends after this offset
 
-    def feed(self, delta: str, final: bool = False) -> StopMatch:
-        """Add ``delta``. With ``final`` nothing is held back (the sequence ended anyway)."""
+    def feed(self, delta: str, final: bool = False, armed: bool = True) -> StopMatch:
+        """Add ``delta``. With ``final`` nothing is held back (the sequence ended anyway).
+
+        With ``armed=False`` (min_tokens not reached yet) no stop string is reported for text
+        that ends within this delta; a partial stop at the end is still held back, as it may be
+        completed by armed text later.
+        """
         self._text += delta
         if not self._stops:
             return self._emit(len(self._text))
-        # Held-back text is never a completed stop, so any match starts at or after _emitted.
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            i = self._text.find(stop, self._emitted)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is not None:
-            i, stop = best
-            end = i + len(stop) if self._include else i
-            return StopMatch(self._emit(end).text, stop)
+        if not armed:
+            self._armed_from = len(self._text)
+        else:
+            best: tuple[int, str] | None = None
+            for stop in self._stops:
+                start = max(self._emitted, self._armed_from - len(stop) + 1)
+                i = self._text.find(stop, start)
+                if i != -1 and (best is None or i < best[0]):
+                    best = (i, stop)
+            if best is not None:
+                i, stop = best
+                end = i + len(stop) if self._include else i
+                return StopMatch(self._emit(end).text, stop)
         if final:
             return self._emit(len(self._text))
         return self._emit(len(self._text) - self._partial_suffix_len())

@@ -34,6 +34,10 @@ class Tokenizer:
         self.special = special
         self.chat_template = chat_template
         self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+        # The ids decode(skip_special_tokens=True) drops: added tokens marked special.
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        )
 
     @classmethod
     def from_files(cls, files: TokenizerFiles, info: ModelInfo | None = None) -> Tokenizer:

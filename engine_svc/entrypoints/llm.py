@@ -16,7 +16,7 @@ from typing import Any
 
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from engine_svc.core.engine_core import EngineCore
-from engine_svc.core.request import Logprobs
+from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from engine_svc.core.scheduler import SchedulerConfig
 
@@ -171,9 +171,9 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(list(children))
             raise
-        for ro in results:
+        for ro, params in zip(results, params_list, strict=True):
             for co in ro.outputs:
-                co.text = self._decode(co.token_ids)
+                co.text = self._decode(co.token_ids, co.finish_reason, params.skip_special_tokens)
         return results
 
     def _run(
@@ -228,7 +228,16 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}")
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(
+        self, token_ids: list[int], finish_reason: str | None, skip_special_tokens: bool
+    ) -> str:
+        """The completion's text, decoded as ``SamplingParams.skip_special_tokens`` asks.
+
+        As in vLLM, a sequence the engine ended on a token (EOS or a stop token id: finish reason
+        "stop") leaves that token out of the text; its id stays in ``token_ids``.
+        """
         if self.tokenizer is None:
             return ""
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        if finish_reason == str(FinishReason.STOP):
+            token_ids = token_ids[:-1]
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))

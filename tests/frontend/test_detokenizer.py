@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
-from frontend_svc.engine_types import TokenizerFiles
+from frontend_svc.engine_types import EngineOutput, TokenizerFiles
+from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,3 +55,57 @@ def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [0])
     text = detok.push(hello) + detok.push([1]) + detok.flush()  # 1 is <|eos|>
     assert text == "Hello"
+
+
+class CountingDecoder:
+    """Wraps the tokenizer and counts how many ids each decode call is given."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decode = tokenizer.decode  # bound now: tests may patch the tokenizer's own
+        self.ids_decoded = 0
+        self.longest = 0
+
+    def decode(
+        self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True
+    ) -> str:
+        self.ids_decoded += len(token_ids)
+        self.longest = max(self.longest, len(token_ids))
+        return self._decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_tokenizer_knows_its_special_ids(tokenizer: Tokenizer) -> None:
+    assert tokenizer.special_token_ids == {0, 1, 2, 3}  # bos, eos, im_start, im_end
+
+
+def _with_special_runs(tokenizer: Tokenizer) -> list[int]:
+    """Text with long runs of special tokens, one of them inside a split multi-byte character."""
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    coffee = tokenizer.encode("☕", add_special_tokens=False)  # three byte tokens
+    world = tokenizer.encode(" world! Café", add_special_tokens=False)
+    return [*hello, *[1] * 3000, coffee[0], *[3, 2] * 500, *coffee[1:], *world, *[1] * 2000]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_runs_of_special_tokens_keep_the_window_small(tokenizer: Tokenizer, skip: bool) -> None:
+    ids = _with_special_runs(tokenizer)
+    decoder = CountingDecoder(tokenizer)
+    detok = IncrementalDetokenizer(decoder, [0, 2], skip, tokenizer.special_token_ids)
+    deltas = [detok.push([t]) for t in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) == detok.text
+    assert detok.window_size <= 8
+    assert decoder.longest <= 8  # no decode call sees more than a few ids...
+    assert decoder.ids_decoded <= 8 * len(ids)  # ...so the total grows linearly
+
+
+def test_output_processor_skips_special_ids_in_the_window(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoder = CountingDecoder(tokenizer)
+    monkeypatch.setattr(tokenizer, "decode", decoder.decode)
+    processor = OutputProcessor(tokenizer, [0], [], False, True, index=0, prompt_index=0)
+    ids = _with_special_runs(tokenizer)
+    text = "".join(processor.process(EngineOutput("r", (t,), finish_reason=None)).text for t in ids)
+    assert text == "Hello☕ world! Café"
+    assert decoder.longest <= 8

@@ -167,8 +167,16 @@ def test_stop_token_ids(client: openai.OpenAI, hf_tokenizer: Tokenizer) -> None:
         model=MODEL_NAME, prompt="Hello", max_tokens=50, extra_body={"stop_token_ids": [bang]}
     )
     c = r.choices[0]
-    assert (c.text, c.finish_reason) == ("Hello world!", "stop")
+    # The stop token's text is dropped (vLLM), unless include_stop_str_in_output.
+    assert (c.text, c.finish_reason) == ("Hello world", "stop")
     assert (c.model_extra or {})["stop_reason"] == bang
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Hello",
+        max_tokens=50,
+        extra_body={"stop_token_ids": [bang], "include_stop_str_in_output": True},
+    )
+    assert r.choices[0].text == "Hello world!"
 
 
 def test_cached_tokens(client: openai.OpenAI) -> None:

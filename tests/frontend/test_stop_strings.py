@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend_svc.stop_strings import StopStringMatcher
+from frontend_svc.stop_strings import StopMatch, StopStringMatcher
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -56,3 +56,44 @@ def test_every_split_point(split: int) -> None:
     text = "abcdSTOPef"
     out, stop = run(["STOP"], [text[:split], text[split:]])
     assert (out, stop) == ("abcd", "STOP")
+
+
+def test_unarmed_text_is_emitted_and_never_stops() -> None:
+    m = StopStringMatcher(["e"])
+    assert m.feed("Hello", armed=False) == StopMatch("Hello")
+    assert m.feed(" The", armed=False) == StopMatch(" The")
+    assert m.feed(" quick") == StopMatch(" quick")
+    assert m.feed(" over") == StopMatch(" ov", "e")
+
+
+def test_stop_spanning_the_arming_point_is_found_in_held_back_text() -> None:
+    m = StopStringMatcher(["! The"])
+    assert m.feed("Hello world!", armed=False) == StopMatch("Hello world")  # "!" held
+    assert m.feed(" The") == StopMatch("", "! The")
+
+
+def test_stop_spanning_the_arming_point_with_include() -> None:
+    m = StopStringMatcher(["! The"], include_stop_in_output=True)
+    assert m.feed("Hello world!", armed=False) == StopMatch("Hello world")
+    assert m.feed(" The end") == StopMatch("! The", "! The")
+
+
+def test_stop_complete_before_arming_does_not_fire_later() -> None:
+    # "wor" is complete in unarmed text that is held back (it may start "world! Zzz").
+    m = StopStringMatcher(["wor", "world! Zzz"])
+    assert m.feed("Hello world!", armed=False) == StopMatch("Hello ")
+    assert m.feed(" The") == StopMatch("world! The")
+    assert m.feed(" wor") == StopMatch(" ", "wor")  # a new one, in armed text, does
+
+
+def test_overlapping_stop_across_the_arming_point() -> None:
+    # vLLM: text "eee" with the third "e" armed finds "ee" at 1 (ending in armed text).
+    m = StopStringMatcher(["ee"])
+    assert m.feed("ee", armed=False) == StopMatch("e")
+    assert m.feed("e") == StopMatch("", "ee")
+
+
+def test_unarmed_final_flushes_everything() -> None:
+    m = StopStringMatcher(["quick"])
+    assert m.feed("a qu", armed=False) == StopMatch("a ")
+    assert m.feed("", final=True, armed=False) == StopMatch("qu")
