@@ -2,8 +2,9 @@
 
 One ``cupy.RawModule`` per (source file, defines), compiled by NVRTC on first use and cached for
 the process (CuPy also keeps the binary on disk under ``~/.cupy/kernel_cache``). CuPy picks the
-architecture of the current device (``sm_90`` on H100/H200); the CI compile test builds the same
-sources with ``nvcc -arch=sm_90`` and the options from :func:`compile_options`.
+architecture of the current device (``sm_90`` on H100/H200, ``sm_75`` on T4: sm_75 is the oldest
+the sources build for); the CI compile test builds the same sources with nvcc for sm_75, sm_80
+and sm_90 and the options from :func:`compile_options`.
 
 Kernels are launched on torch's current stream, with tensor data pointers passed as 64-bit
 integers: no copies, and no per-call DLPack capsule (which costs microseconds per tensor on the
@@ -21,21 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels import variants
+
 KERNEL_DIR = Path(__file__).resolve().parent
 
 # Options shared by NVRTC (CuPy, at run time) and nvcc (the CI compile test). No -arch here:
-# CuPy adds the current device's, the compile test adds -arch=sm_90.
+# CuPy adds the current device's, the compile test adds sm_75, sm_80 and sm_90 in turn. The
+# variants it builds are kernels.variants.CI_VARIANTS.
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17", f"-I{KERNEL_DIR}")
-
-# The variants the CI compile test builds: (file, defines). At run time the attention files are
-# compiled once per head size the model has; these cover the common sizes (64, 128), the padded
-# lane path (24, the tiny test models) and the largest (256).
-CI_VARIANTS: tuple[tuple[str, Mapping[str, int]], ...] = (
-    ("cache_ops.cu", {}),
-    ("norm_rope.cu", {}),
-    *(("paged_decode.cu", {"HEAD_DIM": d}) for d in (24, 64, 128, 256)),
-    *(("paged_prefill.cu", {"HEAD_DIM": d}) for d in (24, 64, 128, 256)),
-)
 
 
 def compile_options(defines: Mapping[str, int] | None = None) -> tuple[str, ...]:
@@ -65,7 +59,11 @@ def _module(source: str, defines: tuple[tuple[str, int], ...]) -> Any:
 
 @functools.cache
 def function(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> Any:
-    """The kernel ``name`` from ``source`` compiled with ``defines`` (cached)."""
+    """The kernel ``name`` from ``source`` compiled with ``defines`` (cached). A ValueError,
+    before any compile, for a variant ``kernels.variants`` does not list."""
+    error = variants.variant_error(source, defines)
+    if error is not None:
+        raise ValueError(error)
     return _module(source, defines).get_function(name)
 
 

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from kernels import cuda
+from kernels import cuda, variants
 from kernels.attention_metadata import AttentionMetadata
 
 _SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -47,17 +47,13 @@ def _threads(work: int, cap: int = 256) -> int:
 
 
 def check_head_dim(head_dim: int, dtype: torch.dtype, prefill: bool) -> None:
-    """The attention kernels take a head row in whole 16-byte chunks, up to 64 chunks (decode)
-    or 512 bytes (prefill: its shared-memory tiles)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    vec = 16 // size
-    limit = (512 if prefill else 1024) // size
-    if head_dim % vec or not 0 < head_dim <= limit:
-        kind = "prefill" if prefill else "decode"
-        raise ValueError(
-            f"CUDA {kind} attention needs head_dim a multiple of {vec} and at most {limit} for "
-            f"{dtype}, got {head_dim}; use the torch reference (unset TANDEM_CUDA_KERNELS)"
-        )
+    """A ValueError naming the limit unless the decode (or prefill) attention kernel is built for
+    ``head_dim`` in ``dtype`` (``kernels.variants.HEAD_DIMS``). Raised before anything compiles,
+    so a model with an unsupported head size fails with this message, not an NVRTC error."""
+    source = variants.PREFILL if prefill else variants.DECODE
+    error = variants.head_dim_error(source, _suffix(dtype), head_dim)
+    if error is not None:
+        raise ValueError(error)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,6 +173,11 @@ def paged_attention(
         out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(),
         f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}",
     )
+    # Both kernels' head sizes are checked before either launches (or compiles).
+    if meta.num_decodes:
+        check_head_dim(d, query.dtype, prefill=False)
+    if meta.num_reqs > meta.num_decodes:
+        check_head_dim(d, query.dtype, prefill=True)
     if meta.num_decodes:
         _decode(out, query, key_cache, value_cache, tables, seq_lens, meta, scale)
     if meta.num_reqs > meta.num_decodes:
@@ -195,7 +196,6 @@ def _decode(
     scale: float,
 ) -> None:
     b, (h, d), dev = meta.num_decodes, query.shape[1:], query.device
-    check_head_dim(d, query.dtype, prefill=False)
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
     group = h // hkv
     qpb = next(n for n in (8, 4, 2, 1) if group % n == 0)  # query heads per thread block
@@ -205,8 +205,9 @@ def _decode(
         part_out = torch.empty(b, h, parts, d, dtype=torch.float32, device=dev)
         part_max = torch.empty(b, h, parts, dtype=torch.float32, device=dev)
         part_sum = torch.empty(b, h, parts, dtype=torch.float32, device=dev)
-    suffix, defines = _suffix(query.dtype), (("HEAD_DIM", d),)
-    fn = cuda.function("paged_decode.cu", f"paged_decode_{suffix}_q{qpb}", defines)
+    suffix = _suffix(query.dtype)
+    defines = variants.attention_defines(suffix, d)
+    fn = cuda.function(variants.DECODE, f"paged_decode_{suffix}_q{qpb}", defines)
     args = (
         cuda.ptr(out), cuda.ptr(part_out), cuda.ptr(part_max), cuda.ptr(part_sum),
         cuda.ptr(query), cuda.ptr(key_cache), cuda.ptr(value_cache), cuda.ptr(tables),
@@ -216,7 +217,7 @@ def _decode(
     )  # fmt: skip
     cuda.launch(fn, (h // qpb, b, parts), (DECODE_THREADS,), args, dev)
     if parts > 1:
-        reduce = cuda.function("paged_decode.cu", f"paged_decode_reduce_{suffix}", defines)
+        reduce = cuda.function(variants.DECODE, f"paged_decode_reduce_{suffix}", defines)
         reduce_args = (
             cuda.ptr(out), cuda.ptr(part_out), cuda.ptr(part_max), cuda.ptr(part_sum),
             cuda.ptr(seq_lens), np.int32(h), np.int32(parts),
@@ -235,14 +236,14 @@ def _prefill(
     scale: float,
 ) -> None:
     (h, d), dev = query.shape[1:], query.device
-    check_head_dim(d, query.dtype, prefill=True)
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
     starts = meta.query_start_loc_cpu
     first = meta.num_decodes
     max_q = max(starts[r + 1] - starts[r] for r in range(first, meta.num_reqs))
     query_start_loc = meta.query_start_loc.to(torch.int32)
+    suffix = _suffix(query.dtype)
     fn = cuda.function(
-        "paged_prefill.cu", f"paged_prefill_{_suffix(query.dtype)}", (("HEAD_DIM", d),)
+        variants.PREFILL, f"paged_prefill_{suffix}", variants.attention_defines(suffix, d)
     )
     args = (
         cuda.ptr(out), cuda.ptr(query), cuda.ptr(key_cache), cuda.ptr(value_cache),

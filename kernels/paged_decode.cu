@@ -1,6 +1,7 @@
 // Paged decode attention: one query token per request against its cached context.
 //
-// Compiled once per head size (-DHEAD_DIM=...); extern "C" entry points per dtype and per number
+// Compiled once per dtype and head size (-DWITH_F16, -DWITH_BF16 or -DWITH_F32, and
+// -DHEAD_DIM=...; kernels/variants.py lists the sizes built); extern "C" entry points per number
 // of query heads one thread block serves (QPB: 1, 2, 4 or 8 heads that share one KV head).
 //
 //   grid  = (num_heads / QPB, num_seqs, num_partitions)     block = 128 threads
@@ -70,7 +71,9 @@ __device__ __forceinline__ void paged_decode_impl(
   constexpr int TG = NCHUNK >= 32 ? 32 : pow2_ceil(NCHUNK);   // lanes per token
   constexpr int CPL = (NCHUNK + TG - 1) / TG;                 // chunks per lane
   constexpr int GROUPS = DECODE_THREADS / TG;                 // tokens in flight per block
-  static_assert(CPL <= 2, "head_dim too large");
+  // q and acc hold CPL * VEC floats per lane and head: at most 8 (head_dim <= 256 in every
+  // dtype) keeps the 8-head variant in 255 registers without spilling.
+  static_assert(CPL * VEC <= 8, "head_dim > 256: the 8-head variant would spill registers");
 
   __shared__ float sm_acc[GROUPS][QPB][HEAD_DIM];
   __shared__ float sm_m[GROUPS][QPB];
@@ -281,6 +284,15 @@ __device__ __forceinline__ void paged_decode_reduce_impl(
                                 max_partitions);                                            \
   }
 
+#if !defined(WITH_F16) && !defined(WITH_BF16) && !defined(WITH_F32)
+#error "compile with -DWITH_F16, -DWITH_BF16 or -DWITH_F32"
+#endif
+#ifdef WITH_F16
 DEFINE_DECODE_DTYPE(f16, half_t)
+#endif
+#ifdef WITH_BF16
 DEFINE_DECODE_DTYPE(bf16, bf16_t)
+#endif
+#ifdef WITH_F32
 DEFINE_DECODE_DTYPE(f32, float)
+#endif

@@ -1,7 +1,8 @@
 // Paged prefill / chunked-prefill attention: the multi-token requests of a step, each attending
 // causally over its whole cached context (a cached prefix plus this step's chunk).
 //
-// Compiled once per head size (-DHEAD_DIM=...); extern "C" entry points per dtype.
+// Compiled once per dtype and head size (-DWITH_F16, -DWITH_BF16 or -DWITH_F32, and
+// -DHEAD_DIM=...; kernels/variants.py lists the sizes built).
 //
 //   grid  = (ceil(max_q_len / BLOCK_M), num_prefill_reqs, num_heads)    block = 128 threads
 //
@@ -162,8 +163,15 @@ __device__ __forceinline__ void paged_prefill_impl(
                           q_stride_tok, q_stride_head, scale_log2);                          \
   }
 
+#if !defined(WITH_F16) && !defined(WITH_BF16) && !defined(WITH_F32)
+#error "compile with -DWITH_F16, -DWITH_BF16 or -DWITH_F32"
+#endif
+#ifdef WITH_F16
 DEFINE_PREFILL(paged_prefill_f16, half_t)
+#endif
+#ifdef WITH_BF16
 DEFINE_PREFILL(paged_prefill_bf16, bf16_t)
-#if HEAD_DIM * 4 <= 512
+#endif
+#ifdef WITH_F32
 DEFINE_PREFILL(paged_prefill_f32, float)
 #endif

@@ -2,7 +2,9 @@
 //
 // No system headers on purpose: the same source builds under nvcc (CI compile test) and NVRTC
 // (CuPy RawModule at run time) without a CUDA include path. Half and bfloat16 are carried as raw
-// 16-bit patterns and converted with PTX `cvt`, so arithmetic is always done in float32.
+// 16-bit patterns and converted with PTX `cvt` (float -> bfloat16 in software below sm_80), so
+// arithmetic is always done in float32. Builds for sm_75 (Turing) and newer: nothing here or in
+// the kernels needs more (no bf16 arithmetic, no cp.async, no tensor-core instructions).
 #pragma once
 
 typedef long long i64;
@@ -37,10 +39,25 @@ __device__ __forceinline__ half_t from_float<half_t>(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
   return h;
 }
+// float32 bits -> bfloat16 bits, rounding to nearest even: what `cvt.rn.bf16.f32` does on sm_80+,
+// in integer arithmetic for older GPUs (and for the host-side test of this header). Every NaN
+// becomes the canonical quiet NaN 0x7fff, as the hardware instruction (and CUDA's own sm_75
+// fallback) returns; +-inf and the round-up of the largest finite values to +-inf fall out of
+// the rounding add.
+__host__ __device__ constexpr u16 bf16_bits_rn(unsigned int bits) {
+  return (bits & 0x7fffffffu) > 0x7f800000u
+             ? (u16)0x7fffu
+             : (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 template <>
 __device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
   bf16_t h;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
+#else
+  h.x = bf16_bits_rn(__float_as_uint(f));
+#endif
   return h;
 }
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_svc import envs
 from engine_svc.config import EngineConfig, KVCacheLayout
 from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -53,6 +54,12 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model.model, self.dtype, self.device, max_model_len)
         self.spec = self.model.spec
+        if self.device.type == "cuda" and envs.cuda_kernels_enabled():
+            # Refuse a head size the CUDA kernels are not built for now, not at the first step.
+            from kernels import cuda_ops
+
+            for prefill in (False, True):
+                cuda_ops.check_head_dim(self.spec.head_dim, self.dtype, prefill)
         self.layout = self._kv_layout()
         shape = (
             self.layout.num_blocks,

@@ -12,8 +12,9 @@ import torch
 
 from engine_svc import envs
 from engine_svc.models.layers import RMSNorm, RotaryEmbedding
-from kernels import cuda, cuda_ops, ops
+from kernels import cuda, cuda_ops, ops, variants
 from kernels import reference_norm_rope as ref
+from tests.gpu.helpers import make_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -88,3 +89,68 @@ def test_wrappers_reject_cpu_tensors_and_bad_shapes() -> None:
     cuda_ops.check_head_dim(24, torch.float16, prefill=True)
     with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
         cuda_ops._suffix(torch.float64)
+
+
+_TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+@pytest.mark.parametrize(("source", "dtype"), list(variants.HEAD_DIMS), ids="-".join)
+def test_head_dim_check_refuses_exactly_what_is_not_built(source: str, dtype: str) -> None:
+    dims = variants.HEAD_DIMS[(source, dtype)]
+    prefill = source == variants.PREFILL
+    for d in (dims.multiple, 24, 64, 128, dims.max):  # the compile-tested sizes
+        cuda_ops.check_head_dim(d, _TORCH[dtype], prefill=prefill)
+    limit = f"multiple of {dims.multiple} and at most {dims.max}"
+    for d in (dims.max + dims.multiple, 512, 0, -dims.multiple, dims.max - 1, dims.multiple + 2):
+        with pytest.raises(ValueError, match=limit):
+            cuda_ops.check_head_dim(d, _TORCH[dtype], prefill=prefill)
+
+
+def test_decode_head_dim_512_is_refused() -> None:
+    # The known case: decode accepted up to 512 bf16 halves, which never built.
+    with pytest.raises(ValueError, match="decode attention .* bfloat16 .* at most 256, got 512"):
+        cuda_ops.check_head_dim(512, torch.bfloat16, prefill=False)
+    # fp32 head sizes that are multiples of 4 but not of 8 build (one module per dtype).
+    cuda_ops.check_head_dim(20, torch.float32, prefill=False)
+    cuda_ops.check_head_dim(20, torch.float32, prefill=True)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "dtype", "head_dim", "message"),
+    [
+        ([1, 1], torch.bfloat16, 512, "decode attention .* at most 256, got 512"),
+        ([1, 5], torch.float16, 264, "decode attention .* at most 256, got 264"),
+        ([5], torch.float32, 256, "prefill attention .* at most 128, got 256"),
+        ([1, 5], torch.float32, 256, "prefill attention .* at most 128, got 256"),  # decode ok
+    ],
+)
+def test_paged_attention_refuses_before_compiling_or_launching(
+    monkeypatch: pytest.MonkeyPatch,
+    q_lens: list[int],
+    dtype: torch.dtype,
+    head_dim: int,
+    message: str,
+) -> None:
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a kernel was compiled or launched")
+
+    monkeypatch.setattr(cuda_ops, "_on", lambda *a, **k: None)  # CPU tensors stand in for CUDA
+    monkeypatch.setattr(cuda, "function", no_compile)
+    monkeypatch.setattr(cuda, "launch", no_compile)
+    case = make_case(q_lens, [10] * len(q_lens), 4, 2, head_dim, dtype, device="cpu")
+    with pytest.raises(ValueError, match=message):
+        cuda_ops.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, 1.0)
+
+
+def test_function_refuses_variants_that_are_not_built() -> None:
+    # The last check before NVRTC: without CuPy, reaching the compile would be an ImportError.
+    with pytest.raises(ValueError, match="at most 256, got 512"):
+        cuda.function(
+            variants.DECODE, "paged_decode_bf16_q1", variants.attention_defines("bf16", 512)
+        )
+    with pytest.raises(ValueError, match="HEAD_DIM and one WITH_<dtype>"):
+        cuda.function(variants.PREFILL, "paged_prefill_f16", (("HEAD_DIM", 128),))
+    with pytest.raises(ValueError, match="takes no defines"):
+        cuda.function("norm_rope.cu", "rms_norm_f16", (("HEAD_DIM", 128),))
+    assert variants.variant_error(variants.DECODE, variants.attention_defines("f32", 256)) is None
+    assert all(variants.variant_error(s, d) is None for s, d in variants.CI_VARIANTS)
