@@ -9,6 +9,7 @@ import uvicorn
 
 from frontend_svc.app import build_app
 from frontend_svc.config import config_from_args
+from frontend_svc.limits import uvicorn_options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         port=config.port,
         log_level=config.log_level.lower(),
         timeout_graceful_shutdown=5,
+        **uvicorn_options(config.limits),
     )
 
 

@@ -1,4 +1,4 @@
-"""The Starlette application: routes, API-key check, error handlers, engine client lifespan."""
+"""The Starlette application: routes, HTTP limits, API-key check, error handlers, lifespan."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -14,8 +15,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine_types import EngineRequestError, EngineUnavailableError
-from frontend_svc.errors import ApiError, from_engine_error, unauthorized
+from frontend_svc.errors import ApiError, from_engine_error, from_http_status, unauthorized
 from frontend_svc.gateway_state import GatewayState
+from frontend_svc.limits import RequestLimitsMiddleware
+from frontend_svc.prompt_encoder import PromptEncoder
 from frontend_svc.routes import chat, completions, system, tokenize
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class ApiKeyMiddleware:
 def build_app(config: FrontendConfig) -> Starlette:
     """The gateway app; it connects to the engine in the background once started."""
     state = GatewayState(config)
+    encoder = PromptEncoder(config.limits.tokenizer_threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -50,11 +54,19 @@ def build_app(config: FrontendConfig) -> Starlette:
         try:
             yield
         finally:
+            encoder.close()
             await state.engines.close()
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return exc.response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)  # the router's 404 and 405
+        error = from_http_status(
+            exc.status_code, request.method, request.url.path, exc.detail, exc.headers
+        )
+        return error.response()
 
     async def engine_error(request: Request, exc: Exception) -> Response:
         return from_engine_error(exc, config.retry_after_s).response()
@@ -80,12 +92,18 @@ def build_app(config: FrontendConfig) -> Starlette:
         lifespan=lifespan,
         exception_handlers={
             ApiError: api_error,
+            HTTPException: http_error,
             EngineRequestError: engine_error,
             EngineUnavailableError: engine_error,
             Exception: unexpected,
         },
     )
     app.state.gateway = state
+    app.state.prompt_encoder = encoder
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, state=state)
+    # added last, so outermost: a huge header is a 431 even without a valid key
+    app.add_middleware(
+        RequestLimitsMiddleware, limits=config.limits, retry_after_s=config.retry_after_s
+    )
     return app

@@ -66,6 +66,26 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one HTTP request may cost the gateway (enforced by ``frontend_svc.limits``).
+
+    4 MiB of body holds a whole 128k-token context however it is spelled (text, escaped CJK,
+    token ids: at most ~1.2 MB) three times over, and json.loads of the worst-shaped body that
+    size (lists of small numbers) still takes only ~0.13 s; 1M-token contexts need a raise.
+    """
+
+    max_body_bytes: int = 4 * 2**20  # larger request bodies are answered 413
+    max_header_bytes: int = 32 * 2**10  # larger request heads are answered 431
+    tokenizer_threads: int = 4  # worker threads that tokenize and render big prompts
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_header_bytes, self.tokenizer_threads) < 1:
+            raise ValueError(
+                "--max-body-bytes, --max-header-bytes, --tokenizer-threads must be > 0"
+            )
+
+
+@dataclass(frozen=True)
 class FrontendConfig:
     """Everything the gateway needs to start; built once at startup."""
 
@@ -80,6 +100,7 @@ class FrontendConfig:
     log_level: str = "info"
     tls: TlsClientConfig = TlsClientConfig()
     routing: RoutingConfig = RoutingConfig()
+    limits: LimitsConfig = LimitsConfig()
 
 
 def _env(environ: Mapping[str, str], name: str, default: str | None) -> str | None:
@@ -157,6 +178,25 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         default=_env(env, "TLS_SERVER_NAME", None),
         help="name to verify in the engine certificate (default: the host of --engine)",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(_env(env, "MAX_BODY_BYTES", "") or d.limits.max_body_bytes),
+        help="largest request body; bigger ones get 413 (env TANDEM_MAX_BODY_BYTES)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=int(_env(env, "MAX_HEADER_BYTES", "") or d.limits.max_header_bytes),
+        help="largest request head (all headers); bigger ones get 431 "
+        "(env TANDEM_MAX_HEADER_BYTES)",
+    )
+    p.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=int(_env(env, "TOKENIZER_THREADS", "") or d.limits.tokenizer_threads),
+        help="threads that tokenize big prompts off the event loop (env TANDEM_TOKENIZER_THREADS)",
+    )
     p.add_argument("--log-level", default=_env(env, "LOG_LEVEL", d.log_level))
     return p
 
@@ -175,6 +215,7 @@ def config_from_args(
             args.prefix_affinity_min_tokens,
             args.prefix_affinity_max_imbalance,
         )
+        limits = LimitsConfig(args.max_body_bytes, args.max_header_bytes, args.tokenizer_threads)
     except ValueError as e:
         parser.error(str(e))
     return FrontendConfig(
@@ -188,4 +229,5 @@ def config_from_args(
         log_level=args.log_level,
         tls=tls,
         routing=routing,
+        limits=limits,
     )

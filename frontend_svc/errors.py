@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -44,8 +45,53 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def invalid_parameter(message: str, param: str | None) -> ApiError:
-    return ApiError(400, message, type="invalid_request_error", param=param)
+def invalid_parameter(message: str, param: str | None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+def body_too_large(limit: int) -> ApiError:
+    """413; the connection is closed, so the rest of the body is never read."""
+    return ApiError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes.",
+        type="invalid_request_error",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def headers_too_large(limit: int) -> ApiError:
+    return ApiError(
+        431,
+        f"The request headers are larger than this server's limit of {limit} bytes.",
+        type="invalid_request_error",
+        code="request_header_fields_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(
+        415,
+        f"Unsupported Content-Type '{content_type[:100]}'; send the body as application/json.",
+        type="invalid_request_error",
+        code="unsupported_media_type",
+    )
+
+
+def from_http_status(
+    status: int, method: str, path: str, detail: str, headers: Mapping[str, str] | None
+) -> ApiError:
+    """Errors raised by the router itself: 404 unknown route, 405 wrong method (keeps Allow)."""
+    path = path[:200]
+    if status == 404:
+        message = f"Invalid URL ({method} {path})."
+    elif status == 405:
+        allowed = (headers or {}).get("Allow", "")
+        message = f"Method {method} is not allowed for {path}; allowed: {allowed}."
+    else:
+        message = detail
+    return ApiError(status, message, type="invalid_request_error", headers=dict(headers or {}))
 
 
 def model_not_found(model: str) -> ApiError:

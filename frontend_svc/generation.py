@@ -42,34 +42,47 @@ def prepare_prompt(
     vocab_size: int,
     prompt_param: str,
     max_tokens_param: str,
+    min_tokens: int = 0,
 ) -> PreparedPrompt:
-    """Check the prompt against the context length and resolve max_tokens (default: the rest)."""
+    """Check the prompt against the context length and resolve max_tokens (default: the rest).
+
+    The length is checked before the ids are scanned, so a huge prompt costs no per-id work here.
+    """
     n = len(token_ids)
     if n == 0:
         raise invalid_parameter("The prompt is empty after tokenization.", prompt_param)
-    bad = next((t for t in token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise invalid_parameter(
-            f"Token id {bad} is out of the vocabulary (size {vocab_size}).", prompt_param
-        )
     if n >= max_model_len:
         raise invalid_parameter(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"prompt has {n} tokens, which leaves no room for a completion. Please reduce the "
             "length of the prompt.",
             prompt_param,
+            code="context_length_exceeded",
         )
-    if requested_max_tokens is None:
-        return PreparedPrompt(tuple(token_ids), max_model_len - n)
-    if n + requested_max_tokens > max_model_len:
+    if requested_max_tokens is not None and n + requested_max_tokens > max_model_len:
         raise invalid_parameter(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {n + requested_max_tokens} tokens ({n} in the prompt, "
             f"{requested_max_tokens} in the completion). Please reduce the length of the prompt "
             f"or '{max_tokens_param}'.",
             max_tokens_param,
+            code="context_length_exceeded",
         )
-    return PreparedPrompt(tuple(token_ids), requested_max_tokens)
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise invalid_parameter(
+            f"Token id {bad} is out of the vocabulary (size {vocab_size}).", prompt_param
+        )
+    max_tokens = max_model_len - n if requested_max_tokens is None else requested_max_tokens
+    if min_tokens > max_tokens:  # only when max_tokens was left to the rest of the context
+        raise invalid_parameter(
+            f"This model's maximum context length is {max_model_len} tokens and your prompt has "
+            f"{n}, which leaves room for {max_tokens} tokens, fewer than 'min_tokens' "
+            f"({min_tokens}).",
+            "min_tokens",
+            code="context_length_exceeded",
+        )
+    return PreparedPrompt(tuple(token_ids), max_tokens)
 
 
 def generate(

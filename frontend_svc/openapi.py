@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from frontend_svc.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 
 
@@ -13,11 +15,15 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _errors(*codes: int) -> dict[str, Any]:
     text = {
-        400: "Invalid parameter or context length exceeded",
+        400: "Invalid parameter, unparseable JSON, or context length exceeded "
+        "(code `context_length_exceeded`)",
         401: "Missing or bad API key",
         404: "Unknown model",
+        413: "Request body over --max-body-bytes (code `request_too_large`)",
+        415: "Content-Type is not application/json",
         429: "Engine queue full (see Retry-After)",
-        503: "Engine unavailable",
+        431: "Request headers over --max-header-bytes",
+        503: "Engine unavailable (see Retry-After)",
     }
     return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
 
@@ -31,7 +37,8 @@ _INT = {"type": "integer"}
 _NUM = {"type": "number"}
 _BOOL = {"type": "boolean"}
 _TOKENS = {"type": "array", "items": _INT}
-_STOP = {"oneOf": [_STR, {"type": "array", "items": _STR}]}
+_STOP_STR = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
+_STOP = {"oneOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "maxItems": MAX_STOP_STRINGS}]}
 _STREAM_OPTIONS = _object([], include_usage=_BOOL)
 _SAMPLING: dict[str, dict[str, Any]] = {
     "n": _INT,
@@ -61,8 +68,9 @@ _GENERATION_RESPONSES = {
             "text/event-stream": {"schema": _STR},
         },
     },
-    **_errors(400, 401, 404, 429, 503),
+    **_errors(400, 401, 404, 413, 415, 429, 431, 503),
 }
+_JSON_BODY_ERRORS = _errors(400, 401, 404, 413, 415, 431, 503)
 
 
 def openapi_schema(version: str) -> dict[str, Any]:
@@ -144,10 +152,10 @@ def openapi_schema(version: str) -> dict[str, Any]:
             "/v1/completions": post("Create a completion", completion, _GENERATION_RESPONSES),
             "/v1/chat/completions": post("Create a chat completion", chat, _GENERATION_RESPONSES),
             "/tokenize": post(
-                "Tokenize a prompt or chat", tokenize, {"200": ok, **_errors(400, 401, 404, 503)}
+                "Tokenize a prompt or chat", tokenize, {"200": ok, **_JSON_BODY_ERRORS}
             ),
             "/detokenize": post(
-                "Detokenize token ids", detokenize, {"200": ok, **_errors(400, 401, 404, 503)}
+                "Detokenize token ids", detokenize, {"200": ok, **_JSON_BODY_ERRORS}
             ),
             "/health": {
                 "get": {

@@ -7,6 +7,7 @@ Resolving ``max_tokens`` needs the prompt length, so it happens later (see ``gen
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +15,14 @@ from frontend_svc.engine_types import EngineSamplingParams
 from frontend_svc.errors import invalid_parameter
 
 MAX_N = 128
+# Choices of one completions call (prompts x n): each is an engine request and a detokenizer
+# here, and an engine queues at most --max-waiting (1024 by default) anyway.
+MAX_CHOICES = 1024
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1  # the engine contract's integer types
+# Stop strings are matched against every new piece of text of every sequence, at a cost that grows
+# with count x length (~1 us per stop string per token); OpenAI itself allows 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | tuple[int, ...]  # text, or token ids
 
@@ -137,10 +146,11 @@ class _Body:
         v = self.d.get(name)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, int):
+        i = _as_int(v)
+        if i is None:
             raise invalid_parameter(f"'{name}' must be an integer.", name)
-        _check_range(name, v, lo, hi)
-        return v
+        _check_range(name, i, lo, hi)
+        return i
 
     def float_(
         self,
@@ -150,33 +160,47 @@ class _Body:
         default: float | None = None,
         lo_open: bool = False,
     ) -> float | None:
+        """A number in range as the engine will see it: rounded to a 32-bit float (proto float)."""
         v = self.d.get(name)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
             raise invalid_parameter(f"'{name}' must be a number.", name)
-        if lo_open and lo is not None and v <= lo:
-            raise invalid_parameter(f"'{name}' must be greater than {lo}, got {v}.", name)
-        _check_range(name, v, lo, hi)
-        return float(v)
+        f = _float32(v)
+        if _within(f, lo, hi, lo_open):
+            return float(v)
+        shown = _shown(v)
+        if _within(v, lo, hi, lo_open):  # only the rounding (to 0 or inf) puts it out of range
+            shown += f" ({f} as the 32-bit float the engine receives)"
+        opening, closing = "(" if lo_open else "[", ")" if hi is None else "]"
+        bounds = f"{opening}{_num(lo, '-inf')}, {_num(hi, 'inf')}{closing}"
+        raise invalid_parameter(f"'{name}' must be in {bounds}, got {shown}.", name)
 
     def token_ids(self, name: str) -> tuple[int, ...]:
         v = self.d.get(name)
         if v is None:
             return ()
-        if not isinstance(v, list) or not all(_is_token_id(t) for t in v):
-            raise invalid_parameter(f"'{name}' must be a list of non-negative integers.", name)
-        return tuple(v)
+        ids = _token_ids(v)
+        if ids is None or max(ids, default=0) > UINT32_MAX:
+            raise invalid_parameter(f"'{name}' must be a list of token ids (integers >= 0).", name)
+        return ids
 
     def stop(self, name: str = "stop") -> tuple[str, ...]:
         v = self.d.get(name)
         if v is None:
             return ()
-        if isinstance(v, str):
-            return (v,) if v else ()
-        if isinstance(v, list) and all(isinstance(s, str) for s in v):
-            return tuple(s for s in v if s)
-        raise invalid_parameter(f"'{name}' must be a string or a list of strings.", name)
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise invalid_parameter(f"'{name}' must be a string or a list of strings.", name)
+        longest = max(map(len, stops), default=0)
+        if len(stops) > MAX_STOP_STRINGS or longest > MAX_STOP_STRING_CHARS:
+            raise invalid_parameter(
+                f"'{name}' may hold at most {MAX_STOP_STRINGS} strings of at most "
+                f"{MAX_STOP_STRING_CHARS} characters each; got {len(stops)} strings, the longest "
+                f"{longest} characters.",
+                name,
+            )
+        return tuple(s for s in stops if s)
 
     def object_(self, name: str) -> dict[str, Any]:
         v = self.d.get(name)
@@ -187,15 +211,61 @@ class _Body:
         return v
 
 
-def _is_token_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+def _as_int(v: object) -> int | None:
+    """``v`` as an integer: ints, and floats with an integral value (as JSON Schema and vLLM's
+    pydantic accept them); None for anything else (booleans, 2.5, NaN, infinities)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
 
 
-def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> None:
+def _token_ids(v: object) -> tuple[int, ...] | None:
+    """``v`` as token ids (non-negative integers), or None if it is not a list of them."""
+    if not isinstance(v, list):
+        return None
+    if all(type(t) is int for t in v):  # the common case, without a call per id
+        return tuple(v) if not v or min(v) >= 0 else None
+    ids = [_as_int(t) for t in v]
+    if any(t is None or t < 0 for t in ids):
+        return None
+    return tuple(ids)  # type: ignore[arg-type]  # no None left
+
+
+def _float32(v: float) -> float:
+    """``v`` rounded to the nearest 32-bit float, as the engine receives it; +-inf on overflow."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", float(v)))[0])
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def _within(x: float, lo: float | None, hi: float | None, lo_open: bool) -> bool:
+    if not isinstance(x, int) and not math.isfinite(x):
+        return False
+    above_lo = lo is None or (x > lo if lo_open else x >= lo)
+    return above_lo and (hi is None or x <= hi)
+
+
+def _num(x: float | None, unbounded: str) -> str:
+    if x is None:
+        return unbounded
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _shown(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_range(name: str, v: int, lo: int | None, hi: int | None) -> None:
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        lo_s = "-inf" if lo is None else f"{lo:g}"
-        hi_s = "inf" if hi is None else f"{hi:g}"
-        raise invalid_parameter(f"'{name}' must be in [{lo_s}, {hi_s}], got {v}.", name)
+        raise invalid_parameter(
+            f"'{name}' must be in [{_num(lo, '-inf')}, {_num(hi, 'inf')}], got {_shown(v)}.", name
+        )
 
 
 def _sampling(b: _Body, max_tokens_param: str, max_logprobs: int) -> SamplingOptions:
@@ -207,14 +277,14 @@ def _sampling(b: _Body, max_tokens_param: str, max_logprobs: int) -> SamplingOpt
         raise invalid_parameter("'best_of' other than 1 is not supported.", "best_of")
     n = b.int_("n", 1, MAX_N, default=1)
     max_tokens = b.int_(max_tokens_param, 1)
-    min_tokens = b.int_("min_tokens", 0, default=0)
+    min_tokens = b.int_("min_tokens", 0, UINT32_MAX, default=0)
     assert n is not None and min_tokens is not None
     if max_tokens is not None and min_tokens > max_tokens:
         raise invalid_parameter(
             f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens}).",
             "min_tokens",
         )
-    top_k = b.int_("top_k", -1, default=0)
+    top_k = b.int_("top_k", -1, INT32_MAX, default=0)
     seed = b.int_("seed", -(2**63), 2**63 - 1 - MAX_N)
     prompt_logprobs = b.int_("prompt_logprobs", 0, max_logprobs)
     return SamplingOptions(
@@ -265,9 +335,16 @@ def parse_completion(body: object, max_logprobs: int) -> CompletionRequest:
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     sampling = replace(sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     stream = b.bool_("stream", False)
+    prompts = _prompts(b.d.get("prompt"))
+    if len(prompts) * sampling.n > MAX_CHOICES:
+        raise invalid_parameter(
+            f"A request may ask for at most {MAX_CHOICES} choices (prompts x n); this one asks "
+            f"for {len(prompts)} x {sampling.n}.",
+            "prompt",
+        )
     return CompletionRequest(
         model=model,
-        prompts=_prompts(b.d.get("prompt")),
+        prompts=prompts,
         echo=echo,
         sampling=sampling,
         stream=stream,
@@ -288,10 +365,12 @@ def _prompts(v: object) -> tuple[Prompt, ...]:
         raise bad
     if all(isinstance(p, str) for p in v):
         return tuple(v)
-    if all(_is_token_id(t) for t in v):
-        return (tuple(v),)
-    if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in v):
-        return tuple(tuple(p) for p in v)
+    ids = _token_ids(v)
+    if ids is not None:
+        return (ids,)
+    lists = [_token_ids(p) if isinstance(p, list) and p else None for p in v]
+    if all(lists):
+        return tuple(lists)  # type: ignore[arg-type]  # no None left
     raise bad
 
 

@@ -64,6 +64,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_batch_releasing_gil(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """The ids ``encode`` gives, computed with the GIL released (``encode`` holds it for the
+        whole call; the batch API does not), so a worker thread leaves the event loop free.
+        ``encode_batch_fast`` also skips the character offsets (2x faster to make and to free)."""
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(
         self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True
     ) -> str:

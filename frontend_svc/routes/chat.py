@@ -8,8 +8,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.chat_template import ChatTemplateError, render_chat
-from frontend_svc.errors import invalid_parameter
 from frontend_svc.generation import (
     ChoiceResult,
     UsageCounter,
@@ -21,33 +19,9 @@ from frontend_svc.generation import (
 from frontend_svc.logprobs_format import chat_logprobs
 from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import ChatRequest, parse_chat
-from frontend_svc.routes.common import gateway, read_json, stream_sse
+from frontend_svc.routes.common import gateway, prompt_encoder, read_json, stream_sse
 from frontend_svc.sse import ClientDisconnected, until_disconnected
 from frontend_svc.tokenizer import Tokenizer
-
-
-def chat_prompt_ids(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    template_kwargs: dict[str, Any],
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Render the chat template and tokenize (by default the template writes BOS itself)."""
-    if not tokenizer.chat_template:
-        raise invalid_parameter("The model has no chat template; use /v1/completions.", "messages")
-    try:
-        text = render_chat(
-            tokenizer.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tokenizer.special.bos_token,
-            eos_token=tokenizer.special.eos_token,
-            extra=template_kwargs,
-        )
-    except ChatTemplateError as e:
-        raise invalid_parameter(str(e), "messages") from e
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -56,8 +30,8 @@ async def create_chat_completion(request: Request) -> Response:
     tokenizer, info = state.require_engine()
     req = parse_chat(body, info.max_logprobs)
     state.check_model(req.model)
-    ids = chat_prompt_ids(
-        tokenizer, list(req.messages), req.add_generation_prompt, req.template_kwargs
+    ids = await prompt_encoder(request).encode_chat(
+        tokenizer, req.messages, req.add_generation_prompt, req.template_kwargs
     )
     prepared = prepare_prompt(
         ids,
@@ -66,6 +40,7 @@ async def create_chat_completion(request: Request) -> Response:
         info.vocab_size,
         "messages",
         req.max_tokens_param,
+        req.sampling.min_tokens,
     )
     ctx = _Context(req, tokenizer, random_id("chatcmpl"), state.served_model_name or req.model)
     deltas = generate(state, ctx.id, [prepared], req.sampling)

@@ -10,10 +10,16 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.errors import ApiError, from_engine_error, invalid_parameter
+from frontend_svc.errors import (
+    ApiError,
+    from_engine_error,
+    invalid_parameter,
+    unsupported_media_type,
+)
 from frontend_svc.gateway_state import GatewayState
 from frontend_svc.generation import UsageCounter
 from frontend_svc.output_processor import SequenceDelta
+from frontend_svc.prompt_encoder import PromptEncoder
 from frontend_svc.sse import (
     DONE_EVENT,
     ClientDisconnected,
@@ -31,11 +37,30 @@ def gateway(request: Request) -> GatewayState:
     return state
 
 
+def prompt_encoder(request: Request) -> PromptEncoder:
+    encoder: PromptEncoder = request.app.state.prompt_encoder
+    return encoder
+
+
 async def read_json(request: Request) -> Any:
+    """The JSON body. 415 unless it is sent as JSON; a missing Content-Type counts as JSON (as
+    curl-style clients often omit it); ``application/*+json`` types are JSON too."""
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type and not (
+        media_type == "application/json"
+        or (media_type.startswith("application/") and media_type.endswith("+json"))
+    ):
+        raise unsupported_media_type(content_type)
+    body = await request.body()  # at most --max-body-bytes (frontend_svc.limits)
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
+    except RecursionError as e:
+        raise invalid_parameter("The request body is nested too deeply.", None) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid_parameter(f"The request body is not valid JSON: {e}", None) from e
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise invalid_parameter("The request body holds a number too long to parse.", None) from e
 
 
 def as_api_error(error: Exception, retry_after_s: int) -> ApiError:

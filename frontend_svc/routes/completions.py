@@ -20,7 +20,7 @@ from frontend_svc.generation import (
 from frontend_svc.logprobs_format import CompletionLogprobs
 from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import CompletionRequest, parse_completion
-from frontend_svc.routes.common import gateway, read_json, stream_sse
+from frontend_svc.routes.common import gateway, prompt_encoder, read_json, stream_sse
 from frontend_svc.sse import ClientDisconnected, until_disconnected
 from frontend_svc.tokenizer import Tokenizer
 
@@ -31,10 +31,9 @@ async def create_completion(request: Request) -> Response:
     tokenizer, info = state.require_engine()
     req = parse_completion(body, info.max_logprobs)
     state.check_model(req.model)
-    prompt_ids = [
-        list(p) if isinstance(p, tuple) else tokenizer.encode(p, req.add_special_tokens)
-        for p in req.prompts
-    ]
+    texts = [p for p in req.prompts if isinstance(p, str)]
+    encoded = iter(await prompt_encoder(request).encode(tokenizer, texts, req.add_special_tokens))
+    prompt_ids = [list(p) if isinstance(p, tuple) else next(encoded) for p in req.prompts]
     prepared = [
         prepare_prompt(
             ids,
@@ -43,6 +42,7 @@ async def create_completion(request: Request) -> Response:
             info.vocab_size,
             "prompt",
             "max_tokens",
+            req.sampling.min_tokens,
         )
         for ids in prompt_ids
     ]

@@ -7,8 +7,7 @@ from starlette.responses import JSONResponse, Response
 
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol import parse_detokenize, parse_tokenize
-from frontend_svc.routes.chat import chat_prompt_ids
-from frontend_svc.routes.common import gateway, read_json
+from frontend_svc.routes.common import gateway, prompt_encoder, read_json
 
 
 async def tokenize(request: Request) -> Response:
@@ -17,17 +16,18 @@ async def tokenize(request: Request) -> Response:
     tokenizer, info = state.require_engine()
     req = parse_tokenize(body)
     state.check_model(req.model)
+    encoder = prompt_encoder(request)
     if req.messages is not None:
-        ids = chat_prompt_ids(
+        ids = await encoder.encode_chat(
             tokenizer,
-            list(req.messages),
+            req.messages,
             req.add_generation_prompt,
             req.template_kwargs,
             req.add_special_tokens,
         )
     else:
         assert req.prompt is not None
-        ids = tokenizer.encode(req.prompt, req.add_special_tokens)
+        ids = (await encoder.encode(tokenizer, [req.prompt], req.add_special_tokens))[0]
     return JSONResponse(
         {
             "count": len(ids),

@@ -11,7 +11,8 @@ import httpx
 import uvicorn
 
 from frontend_svc.app import build_app
-from frontend_svc.config import BackoffConfig, FrontendConfig
+from frontend_svc.config import BackoffConfig, FrontendConfig, LimitsConfig
+from frontend_svc.limits import uvicorn_options
 
 
 def free_port() -> int:
@@ -23,7 +24,9 @@ def free_port() -> int:
 class GatewayServer:
     """``build_app`` under uvicorn on a free loopback port."""
 
-    def __init__(self, engine_address: str, api_key: str | None = None) -> None:
+    def __init__(
+        self, engine_address: str, api_key: str | None = None, limits: LimitsConfig | None = None
+    ) -> None:
         self.port = free_port()
         self.config = FrontendConfig(
             engine_address=engine_address,
@@ -33,10 +36,16 @@ class GatewayServer:
             backoff=BackoffConfig(initial_s=0.05, max_s=0.3),
             retry_after_s=2,
             engine_rpc_timeout_s=2.0,
+            limits=limits or LimitsConfig(),
         )
         self.app = build_app(self.config)
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            **uvicorn_options(self.config.limits),
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)

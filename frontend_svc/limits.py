@@ -1,0 +1,73 @@
+"""HTTP limits, checked before any route runs: header size (431), body size (413), Retry-After.
+
+The body cap holds whether the client announces a Content-Length (refused before a byte of the
+body is read) or streams a chunked body (refused as soon as what was read passes the cap; uvicorn
+reads only as fast as the app consumes, so the rest is never buffered). Both answers close the
+connection. uvicorn (h11) answers request heads above its own buffer limit with a text/plain 400
+before the app sees them; ``uvicorn_options`` raises that buffer to a hard bound above our limit,
+so heads in between get a proper 431 here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from frontend_svc.config import LimitsConfig
+from frontend_svc.errors import body_too_large, headers_too_large
+
+HEAD_HARD_BOUND_FACTOR = 8  # uvicorn drops heads over 8x --max-header-bytes without the app
+
+
+def uvicorn_options(limits: LimitsConfig) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config`` that go with these limits."""
+    return {"h11_max_incomplete_event_size": HEAD_HARD_BOUND_FACTOR * limits.max_header_bytes}
+
+
+class RequestLimitsMiddleware:
+    """431 for big heads, 413 for big bodies, and a Retry-After header on every 503."""
+
+    def __init__(self, app: ASGIApp, limits: LimitsConfig, retry_after_s: int) -> None:
+        self.app = app
+        self.max_body = limits.max_body_bytes
+        self.max_head = limits.max_header_bytes
+        self.retry_after = str(retry_after_s).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if sum(len(k) + len(v) + 4 for k, v in headers) > self.max_head:
+            await headers_too_large(self.max_head).response()(scope, receive, send)
+            return
+        length = next((v for k, v in headers if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            await body_too_large(self.max_body).response()(scope, receive, send)
+            return
+        await self.app(scope, self._capped(receive), self._with_retry_after(send))
+
+    def _capped(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def capped_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise body_too_large(self.max_body)  # the route's read fails; answered 413
+            return message
+
+        return capped_receive
+
+    def _with_retry_after(self, send: Send) -> Send:
+        async def send_with_retry_after(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"retry-after", self.retry_after)]}
+            await send(message)
+
+        return send_with_retry_after
