@@ -43,12 +43,15 @@ def prepare_prompt(
     prompt_param: str,
     max_tokens_param: str,
     min_tokens: int = 0,
+    num_tokens: int | None = None,
 ) -> PreparedPrompt:
     """Check the prompt against the context length and resolve max_tokens (default: the rest).
 
     The length is checked before the ids are scanned, so a huge prompt costs no per-id work here.
+    ``num_tokens``: the prompt's length when ``token_ids`` holds only its first ids (a prompt
+    longer than the context, cut at tokenization).
     """
-    n = len(token_ids)
+    n = len(token_ids) if num_tokens is None else num_tokens
     if n == 0:
         raise invalid_parameter("The prompt is empty after tokenization.", prompt_param)
     if n >= max_model_len:

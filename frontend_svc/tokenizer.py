@@ -6,12 +6,25 @@ Built from the files the engine serves (GetTokenizer), in memory.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from frontend_svc.engine_types import ModelInfo, TokenizerFiles
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt's token ids: all of them, or the first ones when it is longer than asked for."""
+
+    ids: list[int]
+    num_tokens: int  # the whole prompt's length
+
+    @property
+    def truncated(self) -> bool:
+        return len(self.ids) < self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,8 @@ class Tokenizer:
         self.special = special
         self.chat_template = chat_template
         self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+        self._lock = threading.Lock()
+        self._truncators: dict[int, HFTokenizer] = {}
         # The ids decode(skip_special_tokens=True) drops: added tokens marked special.
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
@@ -65,13 +80,36 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch_releasing_gil(
-        self, texts: list[str], add_special_tokens: bool = True
-    ) -> list[list[int]]:
+        self, texts: list[str], add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[EncodedPrompt]:
         """The ids ``encode`` gives, computed with the GIL released (``encode`` holds it for the
         whole call; the batch API does not), so a worker thread leaves the event loop free.
-        ``encode_batch_fast`` also skips the character offsets (2x faster to make and to free)."""
-        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+        ``encode_batch_fast`` also skips the character offsets (2x faster to make and to free).
+
+        With ``max_length`` only the first ``max_length`` ids become Python objects (building,
+        and later freeing, a list of millions of ints holds the GIL for tens of milliseconds);
+        ``num_tokens`` still tells the whole length.
+        """
+        tok = self._tok if max_length is None else self._truncating(max_length)
+        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        added = tok.num_special_tokens_to_add(False) if add_special_tokens else 0
+        out = []
+        for e in batch(texts, add_special_tokens=add_special_tokens):
+            rest = sum(len(o) - added for o in e.overflowing) if max_length is not None else 0
+            ids = e.ids
+            out.append(EncodedPrompt(ids, len(ids) + rest))
+        return out
+
+    def _truncating(self, max_length: int) -> HFTokenizer:
+        """A copy of the tokenizer that keeps the first ``max_length`` ids (plus the rest as
+        overflow); one per length, made once."""
+        with self._lock:
+            tok = self._truncators.get(max_length)
+            if tok is None:
+                tok = HFTokenizer.from_str(self._tok.to_str())
+                tok.enable_truncation(max_length)
+                self._truncators[max_length] = tok
+            return tok
 
     def decode(
         self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True

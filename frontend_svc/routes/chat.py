@@ -30,17 +30,22 @@ async def create_chat_completion(request: Request) -> Response:
     tokenizer, info = state.require_engine()
     req = parse_chat(body, info.max_logprobs)
     state.check_model(req.model)
-    ids = await prompt_encoder(request).encode_chat(
-        tokenizer, req.messages, req.add_generation_prompt, req.template_kwargs
+    prompt = await prompt_encoder(request).encode_chat(
+        tokenizer,
+        req.messages,
+        req.add_generation_prompt,
+        req.template_kwargs,
+        max_length=info.max_model_len,
     )
     prepared = prepare_prompt(
-        ids,
+        prompt.ids,
         req.sampling.max_tokens,
         info.max_model_len,
         info.vocab_size,
         "messages",
         req.max_tokens_param,
         req.sampling.min_tokens,
+        num_tokens=prompt.num_tokens,
     )
     ctx = _Context(req, tokenizer, random_id("chatcmpl"), state.served_model_name or req.model)
     deltas = generate(state, ctx.id, [prepared], req.sampling)

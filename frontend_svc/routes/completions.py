@@ -22,7 +22,7 @@ from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import CompletionRequest, parse_completion
 from frontend_svc.routes.common import gateway, prompt_encoder, read_json, stream_sse
 from frontend_svc.sse import ClientDisconnected, until_disconnected
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
 
 
 async def create_completion(request: Request) -> Response:
@@ -32,20 +32,29 @@ async def create_completion(request: Request) -> Response:
     req = parse_completion(body, info.max_logprobs)
     state.check_model(req.model)
     texts = [p for p in req.prompts if isinstance(p, str)]
-    encoded = iter(await prompt_encoder(request).encode(tokenizer, texts, req.add_special_tokens))
-    prompt_ids = [list(p) if isinstance(p, tuple) else next(encoded) for p in req.prompts]
+    encoded = iter(
+        await prompt_encoder(request).encode(
+            tokenizer, texts, req.add_special_tokens, max_length=info.max_model_len
+        )
+    )
+    prompts = [
+        EncodedPrompt(list(p), len(p)) if isinstance(p, tuple) else next(encoded)
+        for p in req.prompts
+    ]
     prepared = [
         prepare_prompt(
-            ids,
+            p.ids,
             req.sampling.max_tokens,
             info.max_model_len,
             info.vocab_size,
             "prompt",
             "max_tokens",
             req.sampling.min_tokens,
+            num_tokens=p.num_tokens,
         )
-        for ids in prompt_ids
+        for p in prompts
     ]
+    prompt_ids = [p.ids for p in prompts]  # whole: a cut prompt was refused just above
     echo_texts = [
         p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
         for p in req.prompts

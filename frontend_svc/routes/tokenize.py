@@ -18,7 +18,7 @@ async def tokenize(request: Request) -> Response:
     state.check_model(req.model)
     encoder = prompt_encoder(request)
     if req.messages is not None:
-        ids = await encoder.encode_chat(
+        encoded = await encoder.encode_chat(
             tokenizer,
             req.messages,
             req.add_generation_prompt,
@@ -27,7 +27,8 @@ async def tokenize(request: Request) -> Response:
         )
     else:
         assert req.prompt is not None
-        ids = (await encoder.encode(tokenizer, [req.prompt], req.add_special_tokens))[0]
+        encoded = (await encoder.encode(tokenizer, [req.prompt], req.add_special_tokens))[0]
+    ids = encoded.ids
     return JSONResponse(
         {
             "count": len(ids),
