@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from engine_svc.core.engine_core import EngineCore
-    from engine_svc.rpc.server import ServerConfig, serve
+    from engine_svc.rpc.server import PortUnavailable, ServerConfig, serve
 
     def build() -> EngineCore:
         """Runs on the engine loop thread, so that all torch work happens on one thread."""
@@ -120,8 +120,11 @@ def main(argv: list[str] | None = None) -> None:
             tls=tls,
             health_port=args.health_port,
         )
+    except ValueError as e:
+        raise SystemExit(f"python -m engine_svc: error: {e}") from None
+    try:
         asyncio.run(serve(build, server))
-    except (OSError, ValueError) as e:
+    except PortUnavailable as e:  # anything else keeps its traceback: it is a bug or a bad model
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
 
 

@@ -20,9 +20,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.config import BackoffConfig
+from frontend_svc.engine_health import HealthFollower
 from frontend_svc.engine_types import (
     EngineErrorCode,
     EngineOutput,
@@ -88,7 +88,7 @@ class EngineClient:
         self._epoch = 0  # bumped on every (re)connection; requests remember theirs
         self._connected = asyncio.Event()
         # The engine's own verdict (grpc.health.v1 Watch): False while it drains or is stalled.
-        self._serving = False
+        self._health: HealthFollower | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.model_info: ModelInfo | None = None
@@ -119,7 +119,7 @@ class EngineClient:
     @property
     def serving(self) -> bool:
         """Connected, and the engine says it can generate (health SERVING)."""
-        return self._connected.is_set() and self._serving
+        return self._connected.is_set() and self._health is not None and self._health.serving
 
     async def wait_connected(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a connection; return whether there is one."""
@@ -229,7 +229,11 @@ class EngineClient:
                 await self._on_connect(info, files)
             call = stub.Stream(_drain(outbox))
             await call.wait_for_connection()
-            watch = await self._open_health_watch(channel)
+            health = HealthFollower(
+                self.address, channel, ENGINE_SERVICE, self._rpc_timeout_s, self._backoff.max_s
+            )
+            await health.open()
+            self._health = health
             self.model_info = info
             self._epoch += 1
             self._outbox = outbox
@@ -237,8 +241,7 @@ class EngineClient:
             self.last_error = None
             connected = True
             logger.info("connected to engine %s (%s)", self.address, info.served_model_name)
-            if watch is not None:
-                watcher = asyncio.create_task(self._follow_health(watch), name="engine-health")
+            watcher = asyncio.create_task(health.follow(), name="engine-health")
             try:
                 async for message in call:
                     self._dispatch(message)
@@ -249,7 +252,7 @@ class EngineClient:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            self._serving = False
+            self._health = None
             self._connected.clear()
             self._outbox = None
             outbox.put_nowait(None)
@@ -258,49 +261,6 @@ class EngineClient:
             if accepted and self._on_disconnect is not None:
                 self._on_disconnect()
             await channel.close(grace=None)
-
-    async def _open_health_watch(
-        self, channel: grpc.aio.Channel
-    ) -> grpc.aio.UnaryStreamCall | None:
-        """Start watching the engine's health and take its first answer as the current state.
-
-        Returns the call to keep following, or None for an engine without a health service
-        (then the open stream is all there is to go by, and it counts as serving).
-        """
-        watch = health_pb2_grpc.HealthStub(channel).Watch(
-            health_pb2.HealthCheckRequest(service=ENGINE_SERVICE)
-        )
-        try:
-            first = await asyncio.wait_for(watch.read(), self._rpc_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            if e.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            self._serving = True
-            return None
-        if first is grpc.aio.EOF:
-            raise EngineUnavailableError("the engine ended its health watch at once")
-        self._set_serving(first.status == health_pb2.HealthCheckResponse.SERVING)
-        return watch
-
-    async def _follow_health(self, watch: grpc.aio.UnaryStreamCall) -> None:
-        try:  # read(), not async for: grpc.aio forbids mixing the two on one call
-            while (reply := await watch.read()) is not grpc.aio.EOF:
-                self._set_serving(reply.status == health_pb2.HealthCheckResponse.SERVING)
-        except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.CANCELLED:
-                return
-            logger.warning("health watch of engine %s broke: %s", self.address, e.code().name)
-        except Exception:  # a bug here must not leave the engine in rotation silently
-            logger.exception("following the health of engine %s failed", self.address)
-        # The engine ended the watch (it is stopping) or it broke: out of rotation until the
-        # connection is made again.
-        self._set_serving(False)
-
-    def _set_serving(self, serving: bool) -> None:
-        if serving != self._serving:
-            log = logger.info if serving else logger.warning
-            log("engine %s is %s", self.address, "SERVING" if serving else "NOT_SERVING")
-        self._serving = serving
 
     async def _fetch_tokenizer(self, stub: pb_grpc.EngineStub) -> TokenizerFiles:
         files: dict[str, bytearray] = {}

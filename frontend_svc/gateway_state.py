@@ -42,6 +42,7 @@ class GatewayState:
         else:
             tokenizer = await asyncio.to_thread(Tokenizer.from_files, files, info)
             self._tokenizer_source = source
+        await asyncio.to_thread(tokenizer.prepare_truncation, info.max_model_len)
         self.tokenizer, self.model_info = tokenizer, info
         self.metrics.model_name = self.config.served_model_name or info.served_model_name
         logger.info(

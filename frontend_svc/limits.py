@@ -1,4 +1,5 @@
-"""HTTP limits, checked before any route runs: header size (431), body size (413), Retry-After.
+"""HTTP limits, checked before any route runs: header size (431), body size (413), Retry-After;
+and after a big request, freed memory handed back to the OS (``native_memory``).
 
 The body cap holds whether the client announces a Content-Length (refused before a byte of the
 body is read) or streams a chunked body (refused as soon as what was read passes the cap; uvicorn
@@ -10,14 +11,17 @@ so heads in between get a proper 431 here.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend_svc.config import LimitsConfig
 from frontend_svc.errors import body_too_large, headers_too_large
+from frontend_svc.native_memory import trim_heap
 
 HEAD_HARD_BOUND_FACTOR = 8  # uvicorn drops heads over 8x --max-header-bytes without the app
+TRIM_AFTER_BODY_BYTES = 256 * 2**10  # after a bigger request, hand freed memory back to the OS
 
 
 def uvicorn_options(limits: LimitsConfig) -> dict[str, Any]:
@@ -46,17 +50,20 @@ class RequestLimitsMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await body_too_large(self.max_body).response()(scope, receive, send)
             return
-        await self.app(scope, self._capped(receive), self._with_retry_after(send))
+        received = [0]
+        try:
+            await self.app(scope, self._capped(receive, received), self._with_retry_after(send))
+        finally:
+            if received[0] >= TRIM_AFTER_BODY_BYTES:
+                # What such a request allocated is freed by now but kept by the C library.
+                await asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
-    def _capped(self, receive: Receive) -> Receive:
-        received = 0
-
+    def _capped(self, receive: Receive, received: list[int]) -> Receive:
         async def capped_receive() -> Message:
-            nonlocal received
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
+                received[0] += len(message.get("body", b""))
+                if received[0] > self.max_body:
                     raise body_too_large(self.max_body)  # the route's read fails; answered 413
             return message
 

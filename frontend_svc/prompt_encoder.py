@@ -16,19 +16,19 @@ as much as encoding ~300 characters with the test tokenizer; 1024 characters enc
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from frontend_svc.chat_template import ChatTemplateError, render_chat
 from frontend_svc.errors import invalid_parameter
+from frontend_svc.native_memory import trim_heap
 from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
 
 T = TypeVar("T")
 
 OFFLOAD_MIN_CHARS = 1024
+MESSAGE_COST_CHARS = 16  # a chat message counts as this many characters towards the threshold
 
 
 class PromptEncoder:
@@ -52,7 +52,7 @@ class PromptEncoder:
         if sum(map(len, texts)) < OFFLOAD_MIN_CHARS:
             ids = [tokenizer.encode(text, add_special_tokens) for text in texts]
             return [EncodedPrompt(i, len(i)) for i in ids]
-        return await self._run(
+        return await self.run(
             encode_releasing_gil, tokenizer, list(texts), add_special_tokens, max_length
         )
 
@@ -70,13 +70,17 @@ class PromptEncoder:
         def render() -> str:
             return render_chat_prompt(tokenizer, messages, add_generation_prompt, template_kwargs)
 
-        if sum(len(m["content"]) for m in messages) < OFFLOAD_MIN_CHARS:
+        # Rendering costs per message as well as per character (~1 us a message).
+        cost = sum(len(m["content"]) for m in messages) + MESSAGE_COST_CHARS * len(messages)
+        if cost < OFFLOAD_MIN_CHARS:
             return (await self.encode(tokenizer, [render()], add_special_tokens, max_length))[0]
-        return await self._run(
+        return await self.run(
             lambda: encode_releasing_gil(tokenizer, [render()], add_special_tokens, max_length)[0]
         )
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run other CPU-heavy work of a request in the pool (parsing a big body, building a
+        big response), away from the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
@@ -99,24 +103,7 @@ def encode_releasing_gil(
 # Tokenizing a 3 MB prompt takes ~300 MB of native memory (a Rust string per token); freed, it
 # stays in the worker thread's malloc arena, so each of the pool's threads kept its own few
 # hundred MB after one big prompt (measured: 57 -> 513 MB RSS after four 3 MB prompts).
-# glibc's malloc_trim hands it back (-> 26 MB in the same measurement); elsewhere it is a no-op.
 TRIM_MIN_CHARS = 256 * 1024
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
-
-
-def trim_heap() -> None:
-    """Return freed native memory to the operating system, where the C library can."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 def render_chat_prompt(

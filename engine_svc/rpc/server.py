@@ -40,6 +40,10 @@ SERVER_OPTIONS = [
 ]
 
 
+class PortUnavailable(OSError):
+    """The engine cannot listen where it was told to (the port is taken, or not ours)."""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the engine serves, from the command line (``python -m engine_svc``)."""
@@ -73,7 +77,8 @@ async def serve(
     in-flight requests finish within the shutdown timeout, abort the rest, end every open call,
     stop.
 
-    Raises ``OSError`` when a port is taken, before building the engine when it can tell.
+    Raises ``PortUnavailable`` when a port is taken, before building the engine when it can
+    tell.
     """
     ports = [config.port] + ([config.health_port] if config.health_port is not None else [])
     for port in ports:
@@ -138,7 +143,7 @@ async def _serve_built(
     await asyncio.sleep(0.2)  # let the last outputs reach their streams
     # End the long-lived calls ourselves (Streams: UNAVAILABLE, health Watch: NOT_SERVING), so
     # the server has nothing left to cancel: a cancelled call logs a traceback.
-    servicer.close_streams("the engine is shutting down")
+    servicer.close_calls("the engine is shutting down")
     await health_service.close()
     await server.stop(grace=2.0)
     if health_server is not None:
@@ -175,12 +180,12 @@ def _add_port(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | No
     except RuntimeError:  # grpcio's "Failed to bind to address"
         bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}: the address is in use or unavailable")
+        raise PortUnavailable(f"cannot listen on {address}: the address is in use or unavailable")
     return bound
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Raise OSError if something already listens on ``host:port`` (port 0: any free port)."""
+    """Raise PortUnavailable if something listens on ``host:port`` (port 0: any free port)."""
     if port == 0:
         return
     try:
@@ -194,7 +199,7 @@ def _check_port_free(host: str, port: int) -> None:
                 s.bind(addr)
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
-                    raise OSError(
+                    raise PortUnavailable(
                         f"cannot listen on {host}:{port}: the port is already in use "
                         "(another engine?)"
                     ) from None

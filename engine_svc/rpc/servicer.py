@@ -12,7 +12,6 @@ Errors:   INVALID_ARGUMENT (parameter named), OUT_OF_RANGE (context length), RES
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import json
 import logging
@@ -21,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -59,6 +59,28 @@ class _Close:
     details: str
 
 
+class InFlight:
+    """A multiset of request ids: a finished id may be added again at once (ids are reusable),
+    and ids that ended are forgotten (a gateway's Stream lives for days)."""
+
+    def __init__(self) -> None:
+        self._count: dict[str, int] = {}
+
+    def add(self, request_id: str) -> None:
+        self._count[request_id] = self._count.get(request_id, 0) + 1
+
+    def end(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            left = self._count.get(rid, 0) - 1
+            if left > 0:
+                self._count[rid] = left
+            else:
+                self._count.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._count)
+
+
 # What a Stream's inbox carries: a message with the request ids that end in it, a _Close, or
 # None when the client half-closed.
 _StreamItem = tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
@@ -70,7 +92,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         self.info = info
         self.model_dir = Path(model_dir)
         self.version = version
-        self._streams: set[asyncio.Queue[_StreamItem]] = set()  # inboxes of the open Streams
+        # Inboxes of the open Stream and Generate calls, to end them at shutdown.
+        self._open_calls: set[asyncio.Queue[Any]] = set()
 
     # ------------------------------------------------------------------ validation
     def _validate(self, add: pb.AddRequest) -> tuple[str, list[int], SamplingParams]:
@@ -111,12 +134,12 @@ class EngineServicer(pb_grpc.EngineServicer):
             aio_loop.call_soon_threadsafe(inbox.put_nowait, (_batch_to_pb(batch), ended))
 
         self.loop.register(client, sink)
-        self._streams.add(inbox)
+        self._open_calls.add(inbox)
         # Requests this stream added that have not ended yet, counted on this event loop from
         # the messages themselves. (Asking the engine loop instead raced: it forgets a request
         # before its final output reaches this queue, so a half-closed stream could end first
-        # and lose that output.) A Counter, since a finished id may be reused at once.
-        in_flight: collections.Counter[str] = collections.Counter()
+        # and lose that output.)
+        in_flight = InFlight()
 
         async def read() -> None:
             try:
@@ -131,7 +154,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                         except (ValueError, QueueFull, Unavailable) as e:
                             inbox.put_nowait((_error_msg(msg.add.request_id, e, self.loop), []))
                         else:
-                            in_flight[msg.add.request_id] += 1
+                            in_flight.add(msg.add.request_id)
                     elif kind == "abort":
                         self.loop.abort(client, list(msg.abort.request_ids))
             finally:
@@ -142,7 +165,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             while True:
                 # A client that half-closed gets everything it has in flight, then the end.
-                if half_closed and not +in_flight and inbox.empty():
+                if half_closed and not in_flight and inbox.empty():
                     break
                 item = await inbox.get()
                 if item is None:
@@ -154,17 +177,18 @@ class EngineServicer(pb_grpc.EngineServicer):
                     await context.abort(item.code, item.details)
                     return  # abort() raises; this only tells type checkers
                 message, ended = item
-                in_flight.subtract(ended)
+                in_flight.end(ended)
                 yield message
         finally:
-            self._streams.discard(inbox)
+            self._open_calls.discard(inbox)
             reader.cancel()
             self.loop.unregister(client)  # aborts everything this stream still carried
 
-    def close_streams(self, details: str) -> None:
-        """End every open Stream with UNAVAILABLE (the engine is stopping), so none is left for
-        the server to cancel mid-call."""
-        for inbox in list(self._streams):
+    def close_calls(self, details: str) -> None:
+        """End every open Stream and Generate call with UNAVAILABLE (the engine is stopping), so
+        none is left for the server to cancel mid-call (even if a stalled loop never answers
+        them)."""
+        for inbox in list(self._open_calls):
             inbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
 
     # ------------------------------------------------------------------ Generate
@@ -173,7 +197,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         client = f"g{next(_client_ids)}"
         aio_loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[ClientBatch] = asyncio.Queue()
+        inbox: asyncio.Queue[ClientBatch | _Close] = asyncio.Queue()
 
         def sink(batch: ClientBatch) -> None:
             aio_loop.call_soon_threadsafe(inbox.put_nowait, batch)
@@ -184,6 +208,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             add.CopyFrom(request.request)
             add.request_id = f"gen-{uuid.uuid4().hex}"
         self.loop.register(client, sink)
+        self._open_calls.add(inbox)
         try:
             try:
                 self._submit(client, add)
@@ -191,6 +216,9 @@ class EngineServicer(pb_grpc.EngineServicer):
                 await context.abort(_status_code(e), str(e))
             while True:
                 batch = await inbox.get()
+                if isinstance(batch, _Close):
+                    await context.abort(batch.code, batch.details)
+                    return  # abort() raises; this only tells type checkers
                 for _, err in batch.errors:
                     await context.abort(_status_code(err), str(err))
                 load = convert.load_to_pb(batch.load) if batch.load else None
@@ -199,6 +227,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                     if o.finished:
                         return
         finally:
+            self._open_calls.discard(inbox)
             self.loop.unregister(client)  # cancelled or failed: abort the request
 
     # ------------------------------------------------------------------ unary

@@ -19,16 +19,15 @@ from frontend_svc.generation import (
 from frontend_svc.logprobs_format import chat_logprobs
 from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import ChatRequest, parse_chat
-from frontend_svc.routes.common import gateway, prompt_encoder, read_json, stream_sse
+from frontend_svc.routes.common import gateway, parse_body, prompt_encoder, stream_sse
 from frontend_svc.sse import ClientDisconnected, until_disconnected
 from frontend_svc.tokenizer import Tokenizer
 
 
 async def create_chat_completion(request: Request) -> Response:
     state = gateway(request)
-    body = await read_json(request)
     tokenizer, info = state.require_engine()
-    req = parse_chat(body, info.max_logprobs)
+    req = await parse_body(request, parse_chat, info.max_logprobs)
     state.check_model(req.model)
     prompt = await prompt_encoder(request).encode_chat(
         tokenizer,

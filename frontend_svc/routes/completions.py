@@ -20,16 +20,15 @@ from frontend_svc.generation import (
 from frontend_svc.logprobs_format import CompletionLogprobs
 from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import CompletionRequest, parse_completion
-from frontend_svc.routes.common import gateway, prompt_encoder, read_json, stream_sse
+from frontend_svc.routes.common import gateway, parse_body, prompt_encoder, stream_sse
 from frontend_svc.sse import ClientDisconnected, until_disconnected
 from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
 
 
 async def create_completion(request: Request) -> Response:
     state = gateway(request)
-    body = await read_json(request)
     tokenizer, info = state.require_engine()
-    req = parse_completion(body, info.max_logprobs)
+    req = await parse_body(request, parse_completion, info.max_logprobs)
     state.check_model(req.model)
     texts = [p for p in req.prompts if isinstance(p, str)]
     encoded = iter(

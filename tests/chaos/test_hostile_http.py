@@ -66,7 +66,7 @@ CATALOGUE: dict[str, Case] = {
     "NaN literal": (
         _raw("/v1/completions", b'{"model": "x", "prompt": "a", "temperature": NaN}'),
         400,
-        "temperature",
+        None,
     ),
     "integer of 5,000 digits": (
         _raw(
@@ -172,6 +172,39 @@ def _live_latency_while(url: str, work: Callable[[], Any]) -> tuple[float, Any]:
     return worst, result
 
 
+# Requests near the 4 MiB body cap that cost the gateway real work: each must leave /live
+# answering within 100 ms (polled from another thread of this process) while it is served.
+HEAVY: dict[str, tuple[str, dict[str, Any], int]] = {
+    "3 MB text prompt (2M tokens)": (
+        "/v1/completions",
+        body(2, prompt="lorem ipsum dolor " * 170_000),
+        400,
+    ),
+    "3.8 MB token-id prompt (1.9M ids)": (
+        "/v1/completions",
+        {**body(2), "prompt": [5] * 1_900_000},
+        400,
+    ),
+    "chat of 100,000 empty messages": (
+        "/v1/chat/completions",
+        {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 100_000},
+        400,
+    ),
+    "/tokenize of a 3 MB prompt": (
+        "/tokenize",
+        {"model": MODEL, "prompt": "lorem ipsum dolor " * 170_000},
+        200,
+    ),
+    "/detokenize of 1M ids": ("/detokenize", {"model": MODEL, "tokens": [5] * 1_000_000}, 200),
+}
+
+
+# /tokenize of 2M tokens must build and send a 16 MB answer of 2M ids: pieces of that hold the
+# GIL for ~15-25 ms each (the id list, its JSON, freeing it), and /live can meet several in a
+# row (50-75 ms measured on the 2-core CI machine).
+LIVE_BUDGET_MS = {"/tokenize of a 3 MB prompt": 200}
+
+
 def test_hostile_http_catalogue(pair: Any, record: Any) -> None:
     engine, gateway = pair()
     url = gateway.url
@@ -179,20 +212,27 @@ def test_hostile_http_catalogue(pair: Any, record: Any) -> None:
     assert ok.status_code == 200
     baseline = rss_mb(gateway.popen.pid)
     answers: dict[str, int] = {}
+    live_worst_ms: dict[str, float] = {}
     after_round: list[float] = []
-    big = body(2, prompt="lorem ipsum dolor " * 170_000)  # 3 MB, 2M tokens
+    heavy = {
+        name: (path, json.dumps(payload, separators=(",", ":")).encode(), status)
+        for name, (path, payload, status) in HEAVY.items()
+    }
     for _ in range(2):  # twice: the second round must not grow the gateway any further
         for name, (send, status, detail) in CATALOGUE.items():
             r = send(url)
             _check(name, r, status, detail)
             answers[name] = r.status_code
-        # A 3 MB prompt (under the 4 MiB cap): tokenized off the event loop.
-        worst, r = _live_latency_while(
-            url, lambda: httpx.post(f"{url}/v1/completions", json=big, headers=HEADERS, timeout=60)
-        )
-        _check("3 MB prompt", r, 400, "context_length_exceeded")
-        assert worst < 0.1, f"/live took {worst * 1000:.0f} ms while a 3 MB prompt was tokenized"
-        after_round.append(rss_mb(gateway.popen.pid))
+        for name, (path, raw, status) in heavy.items():
+            worst, r = _live_latency_while(url, _sender(f"{url}{path}", raw))
+            assert r.status_code == status, f"{name}: {r.status_code} {r.text[:300]}"
+            if status == 400:
+                _check(name, r, 400, "context_length_exceeded")
+            live_worst_ms[name] = max(live_worst_ms.get(name, 0.0), round(worst * 1000, 1))
+            answers[name] = r.status_code
+        after_round.append(_settled_rss(gateway.popen.pid))
+    slow = {k: v for k, v in live_worst_ms.items() if v >= LIVE_BUDGET_MS.get(k, 100)}
+    assert not slow, f"/live took too long while serving: {slow}"
     assert httpx.get(f"{url}/health").status_code == 200
     ok = httpx.post(f"{url}/v1/completions", json=body(4), headers=HEADERS, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
@@ -200,16 +240,31 @@ def test_hostile_http_catalogue(pair: Any, record: Any) -> None:
     assert (load.num_running_requests, load.kv_cache_usage) == (0, 0.0)
     record(
         "hostile_http",
-        cases=len(answers) + 1,
+        cases=len(answers),
         statuses=answers,
-        live_worst_ms_during_3mb_prompt=round(worst * 1000, 1),
+        live_worst_ms=live_worst_ms,
         gateway_rss_mb={
             "baseline": round(baseline, 1),
             "round1": round(after_round[0], 1),
             "round2": round(after_round[1], 1),
         },
     )
-    # Memory comes back: the tokenizer threads' native memory is trimmed after big prompts
-    # (one 3 MB prompt left ~300 MB behind per thread before), and a second round adds nothing.
+    # Memory comes back: freed native memory is trimmed after big requests (one 3 MB prompt
+    # left ~300 MB behind per tokenizer thread before), and a second round adds little.
     assert after_round[1] - after_round[0] < 30, after_round
-    assert max(after_round) - baseline < 80, (baseline, after_round)
+    assert max(after_round) - baseline < 60, (baseline, after_round)
+
+
+def _settled_rss(pid: int) -> float:
+    """The gateway trims its heap just after answering a big request: the lowest RSS over a
+    second is what it holds on to."""
+    readings = []
+    for _ in range(10):
+        readings.append(rss_mb(pid))
+        time.sleep(0.1)
+    return min(readings)
+
+
+def _sender(url: str, raw: bytes) -> Callable[[], httpx.Response]:
+    headers = {**HEADERS, "content-type": "application/json"}
+    return lambda: httpx.post(url, content=raw, headers=headers, timeout=60)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -27,6 +28,8 @@ from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 SCRIPT = "Hello world! The quick brown fox jumps over the lazy dog. Café ☕ 日本語. "
 MODEL_NAME = "tiny-fake"
 _CHUNK_BYTES = 4096  # small, to exercise reassembly of tokenizer files
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass
@@ -58,6 +61,7 @@ class FakeEngine:
         block_size: int = 4,
         model_name: str = MODEL_NAME,
         host: str = "127.0.0.1",
+        health: bool = False,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.script = script_ids
@@ -69,6 +73,9 @@ class FakeEngine:
         self.block_size = block_size
         self.model_name = model_name  # tests change it to play an engine serving another model
         self.host = host  # another loopback address (127.0.0.2) plays another machine
+        # With ``health``, grpc.health.v1 is served too (without it: UNIMPLEMENTED, as an
+        # engine that has no health service).
+        self.health = _FakeHealth() if health else None
         self.requests: dict[str, _Running] = {}
         self.added: list[str] = []
         self.aborted: list[str] = []
@@ -120,6 +127,8 @@ class FakeEngine:
     async def _serve(self, port: int, started: threading.Event) -> None:
         self._server = grpc.aio.server()
         pb_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
+        if self.health is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(f"{self.host}:{port}")
         await self._server.start()
         self._stopping = asyncio.Event()
@@ -253,6 +262,41 @@ class FakeEngine:
             prefix_cache_hits=self._hits,
             num_preemptions=0,
         )
+
+
+class _FakeHealth(health_pb2_grpc.HealthServicer):
+    """Health the test sets (``serving``); ``reset_watches`` breaks every open Watch call the way
+    a proxy resetting a quiet stream would, leaving the Engine stream alone."""
+
+    def __init__(self) -> None:
+        self.serving = True
+        self.watches_opened = 0
+        self._generation = 0
+
+    def reset_watches(self) -> None:
+        self._generation += 1
+
+    def _status(self) -> int:
+        return SERVING if self.serving else NOT_SERVING
+
+    async def Check(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, context: object
+    ) -> health_pb2.HealthCheckResponse:
+        return health_pb2.HealthCheckResponse(status=self._status())  # type: ignore[arg-type]
+
+    async def Watch(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        self.watches_opened += 1
+        generation, last = self._generation, None
+        while True:
+            if self._generation != generation:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "stream reset by a proxy")
+            status = self._status()
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))  # type: ignore[arg-type]
+                last = status
+            await asyncio.sleep(0.01)
 
 
 class _Servicer(pb_grpc.EngineServicer):

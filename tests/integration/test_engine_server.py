@@ -262,3 +262,51 @@ def test_sigterm_with_a_gateway_connected_is_clean(cache_dir: Path, log_dir: Pat
     finally:
         gateway.stop()
         engine.kill()
+
+
+def test_shutdown_ends_calls_a_stalled_loop_never_answers(
+    tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, core = start_stallable(tiny_models["llama"], shutdown_timeout_s=0.3)
+    try:
+        core.stall.set()
+        errors: list[grpc.RpcError] = []
+
+        def call() -> None:
+            with grpc.insecure_channel(server.address) as ch:
+                try:
+                    generate(pb_grpc.EngineStub(ch), add_request("stuck", PROMPT, 4), timeout=30)
+                except grpc.RpcError as e:
+                    errors.append(e)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert core.stalled.wait(10)
+        with caplog.at_level("ERROR"):
+            server.stop()
+            caller.join(10)
+        assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE]  # type: ignore[attr-defined]
+        assert "shutting down" in errors[0].details(), errors[0].details()  # type: ignore[attr-defined]
+        assert "Exception not handled" not in caplog.text
+    finally:
+        core.release.set()
+        server.stop()
+
+
+def test_in_flight_ids_are_counted_and_forgotten() -> None:
+    """A Stream counts its requests itself; an id may come back once it ended, and ended ids
+    are forgotten (a gateway's Stream carries millions of requests over its life)."""
+    from engine_svc.rpc.servicer import InFlight
+
+    in_flight = InFlight()
+    assert not in_flight
+    in_flight.add("a")
+    in_flight.add("a")  # reused at once: its first run's final output is still on the way
+    in_flight.end(["a"])
+    assert in_flight and len(in_flight) == 1
+    in_flight.end(["a", "never-added"])
+    assert not in_flight and len(in_flight) == 0
+    for i in range(10_000):
+        in_flight.add(f"r{i}")
+        in_flight.end([f"r{i}"])
+    assert len(in_flight) == 0
