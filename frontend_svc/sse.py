@@ -26,8 +26,17 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
 
 
+# Code points that JSON leaves raw but that many line splitters (Python's str.splitlines, and
+# so httpx's iter_lines) treat as line ends: a generated token holding one would cut an event
+# in two. Escaped, the JSON means the same and every SSE line is whole.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 async def _wait_disconnect(receive: Receive) -> None:

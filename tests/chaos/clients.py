@@ -56,7 +56,7 @@ async def stream(
             out.status = r.status_code
             out.headers = dict(r.headers)
             if r.status_code != 200:
-                out.error = json.loads(await r.aread()).get("error")
+                out.error = _error_of(await r.aread())
                 return out
             if disconnect_after == 0:
                 out.disconnected = True
@@ -68,7 +68,11 @@ async def stream(
                 if data == "[DONE]":
                     out.done = True
                     break
-                event = json.loads(data)
+                try:
+                    event = json.loads(data)
+                except json.JSONDecodeError:
+                    out.exception = f"not JSON: {data[:200]!r}"
+                    break
                 if "error" in event:
                     out.error = event["error"]
                     continue
@@ -92,12 +96,11 @@ async def complete(http: httpx.AsyncClient, url: str, payload: dict[str, Any]) -
     try:
         r = await http.post(f"{url}/v1/completions", json=payload, headers=HEADERS)
         out.status, out.headers = r.status_code, dict(r.headers)
-        data = r.json()
-        if r.status_code == 200:
-            out.finish_reason = data["choices"][0]["finish_reason"]
-            out.done = True
-        else:
-            out.error = data.get("error")
+        if r.status_code != 200:
+            out.error = _error_of(r.content)
+            return out
+        out.finish_reason = r.json()["choices"][0]["finish_reason"]
+        out.done = True
     except httpx.HTTPError as e:
         out.exception = repr(e)
     finally:
@@ -152,3 +155,12 @@ def rss_mb(pid: int) -> float:
 def gateway_in_flight(url: str) -> int:
     r = httpx.get(f"{url}/health", timeout=5)
     return sum(int(e.get("in_flight", 0)) for e in r.json().get("engines", []))
+
+
+def _error_of(body: bytes) -> dict[str, Any]:
+    """The OpenAI error object of an error response, or what came instead."""
+    try:
+        error = json.loads(body).get("error")
+    except (json.JSONDecodeError, AttributeError):
+        return {"type": "not_json", "message": body[:300].decode("utf-8", "replace")}
+    return error if isinstance(error, dict) else {"type": "no_error_object", "message": str(body)}

