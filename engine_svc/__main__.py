@@ -21,6 +21,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu", "cuda"],
+        help="auto: the C decode kernel on the CPU (torch if no C compiler), torch on CUDA "
+        "(cuda with TANDEM_CUDA_KERNELS=1)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                 policy=args.scheduling_policy,
             ),
             device=args.device,
+            attention_backend=args.attention_backend,
         )
         return EngineCore(config)
 

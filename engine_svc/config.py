@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from engine_svc.core.scheduler import SchedulerConfig
+from kernels.attention_backends import BACKENDS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -64,6 +65,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # auto | cpu | cuda
+    # auto | torch | cpu | cuda (kernels.attention_backends); auto: the C kernel on the CPU,
+    # torch on CUDA (cuda with TANDEM_CUDA_KERNELS=1 until the kernels are verified on a GPU).
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 torch's current stream. Each has the signature of its torch reference (``kernels.reference``,
 ``kernels.reference_norm_rope``), which the GPU tests compare it against.
 
-Not used unless TANDEM_CUDA_KERNELS=1 (see ``kernels.ops``). Importing this module needs no CuPy;
+Used by the ``cuda`` attention backend (``kernels.attention_backends``), which the engine picks
+with ``--attention-backend cuda`` or TANDEM_CUDA_KERNELS=1. Importing this module needs no CuPy;
 the first launch does.
 """
 

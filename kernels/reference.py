@@ -22,11 +22,14 @@ def write_kv_cache(
     value: torch.Tensor,
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    slot_mapping: torch.Tensor,  # [num_tokens] int64/int32; a negative slot skips the token
 ) -> None:
-    """Scatter this step's K/V into their slots."""
+    """Scatter this step's K/V into their slots (padding rows carry slot -1 and are skipped)."""
     kc = key_cache.view(-1, *key_cache.shape[2:])
     vc = value_cache.view(-1, *value_cache.shape[2:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     kc.index_copy_(0, slot_mapping, key.to(kc.dtype))
     vc.index_copy_(0, slot_mapping, value.to(vc.dtype))
 
@@ -49,13 +52,26 @@ def paged_attention(
         out[: meta.num_decodes] = _decode_attention(
             query[: meta.num_decodes], key_cache, value_cache, meta, scale
         )
+    prefill_rows(out, query, key_cache, value_cache, meta, scale)
+    return out
+
+
+def prefill_rows(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> None:
+    """Attention of the multi-token requests (rows after the decodes) into ``out``, one request
+    at a time through torch's scaled_dot_product_attention."""
     for row in range(meta.num_decodes, meta.num_reqs):
         q_start, q_end = meta.query_start_loc_cpu[row], meta.query_start_loc_cpu[row + 1]
         seq_len = meta.seq_lens_cpu[row]
         out[q_start:q_end] = _prefill_attention(
             query[q_start:q_end], key_cache, value_cache, meta.block_tables[row], seq_len, scale
         )
-    return out
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # Chained hashes of each request's full blocks, kept so decode only hashes new blocks.
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        # How many of each request's leading blocks are published to the prefix cache already,
+        # so a step publishes only the blocks that became full (O(new blocks), not O(blocks)).
+        self.num_published: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -131,10 +134,14 @@ class KVCacheManager:
         if self.enable_caching:
             # Publish blocks that are full once this step's tokens are written. Their tokens are
             # known now (prompt, or sampled earlier), so the hash can be computed already.
+            rid = request.request_id
             hashes = self._block_hashes(request)
             num_full = min(total_tokens // self.block_size, len(hashes))
-            for i in range(num_full):
+            # Blocks found in the prefix cache are published already.
+            done = self.num_published.get(rid, len(computed_blocks))
+            for i in range(done, num_full):
                 self.pool.cache(blocks[i], hashes[i])
+            self.num_published[rid] = max(done, num_full)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -142,6 +149,7 @@ class KVCacheManager:
         prefixes other requests may share."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
+        self.num_published.pop(request.request_id, None)
         # Fix: allocate_slots publishes blocks before the step that fills them runs. A request
         # freed before that step ran (a priority-preemption victim undone in the very step that
         # scheduled it) would leave hashes naming KV that was never written, and a later prefix

@@ -78,6 +78,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         device: str = "auto",
+        attention_backend: str = "auto",
         seed: int = 0,
         served_model_name: str | None = None,
     ) -> None:
@@ -110,6 +111,7 @@ class LLM:
                 policy=scheduling_policy,
             ),
             device=device,
+            attention_backend=attention_backend,
         )
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(self.model_dir)

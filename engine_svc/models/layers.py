@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import reference_norm_rope
+from kernels.attention_backends import AttentionBackend, RmsNorm
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -19,10 +20,11 @@ class RMSNorm(nn.Module):
     lets each decoder layer carry the residual stream without an extra add.
     """
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, impl: RmsNorm = reference_norm_rope.rms_norm) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self._impl = impl  # the engine's kernel choice (kernels.attention_backends.Kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -30,10 +32,10 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         residual = x
-        return ops.rms_norm(x, self.weight, self.eps), residual
+        return self._impl(x, self.weight, self.eps), residual
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return self._impl(x, self.weight, self.eps)
 
 
 def _rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
@@ -89,10 +91,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the paged cache, then attends over each request's context."""
+    """Writes this step's K/V into the paged cache, then attends over each request's context,
+    through the attention backend the engine chose at start."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend
+    ) -> None:
         super().__init__()
+        self.backend = backend
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -107,5 +113,5 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
-        ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        return ops.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        self.backend.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return self.backend.forward(q, key_cache, value_cache, meta, self.scale)

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from kernels import reference_norm_rope
+from kernels.attention_backends import Kernels, TorchAttention
 from kernels.attention_metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -80,7 +82,7 @@ class DecoderSpec:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -91,10 +93,13 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        norm = kernels.rms_norm
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, norm) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, norm) if spec.qk_norm else None
         self.rotary = rotary  # shared by every layer: one cos/sin table per model
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.attn = PagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, kernels.attention
+        )
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
@@ -123,12 +128,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, rotary)
+        self.self_attn = Attention(spec, rotary, kernels)
         self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        eps, norm = spec.rms_norm_eps, kernels.rms_norm
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, norm)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, norm)
 
     def forward(
         self,
@@ -156,17 +162,21 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, spec: DecoderSpec, max_positions: int) -> None:
+    def __init__(
+        self, spec: DecoderSpec, max_positions: int, kernels: Kernels | None = None
+    ) -> None:
+        """``kernels``: the engine's choice (``select_kernels``); the torch references if None."""
         super().__init__()
+        kernels = kernels or Kernels(TorchAttention(), reference_norm_rope.rms_norm)
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         # One rotary table for all layers: per layer it cost num_layers x max_positions x
         # head_dim x 8 bytes (~1 GiB for Qwen3-0.6B at 40,960 positions).
         self.rotary_emb = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, self.rotary_emb) for _ in range(spec.num_layers)
+            DecoderLayer(spec, self.rotary_emb, kernels) for _ in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

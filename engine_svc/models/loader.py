@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine_svc.models.llama import DecoderSpec, LlamaForCausalLM
+from kernels.attention_backends import Kernels
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -52,12 +53,16 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    kernels: Kernels | None = None,
 ) -> LlamaForCausalLM:
     cfg = read_hf_config(model_dir)
     spec = DecoderSpec.from_hf_config(cfg, architecture_of(cfg))
     with torch.device(device):
-        model = LlamaForCausalLM(spec, max_positions)
+        model = LlamaForCausalLM(spec, max_positions, kernels)
     # Rotary tables stay float32; parameters take the serving dtype.
     for p in model.parameters():
         p.data = p.data.to(dtype)

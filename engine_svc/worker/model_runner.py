@@ -16,8 +16,10 @@ from engine_svc import envs
 from engine_svc.config import EngineConfig, KVCacheLayout
 from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
-from engine_svc.models.loader import load_model
+from engine_svc.models.llama import DecoderSpec
+from engine_svc.models.loader import architecture_of, load_model, read_hf_config
 from engine_svc.worker.sampler import SamplingMetadata, gather_logprobs, sample
+from kernels.attention_backends import Kernels, select_kernels
 from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -52,14 +54,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model.model, self.dtype, self.device, max_model_len)
+        self.kernels = self._select_kernels()
+        self.model = load_model(
+            config.model.model, self.dtype, self.device, max_model_len, self.kernels
+        )
         self.spec = self.model.spec
-        if self.device.type == "cuda" and envs.cuda_kernels_enabled():
-            # Refuse a head size the CUDA kernels are not built for now, not at the first step.
-            from kernels import cuda_ops
-
-            for prefill in (False, True):
-                cuda_ops.check_head_dim(self.spec.head_dim, self.dtype, prefill)
         self.layout = self._kv_layout()
         shape = (
             self.layout.num_blocks,
@@ -82,6 +81,19 @@ class ModelRunner:
             self.layout.num_blocks,
             self.block_size,
         )
+
+    def _select_kernels(self) -> Kernels:
+        """The attention backend (and norm) for this engine, chosen once here."""
+        choice = self.config.attention_backend
+        if choice == "auto" and self.device.type == "cuda" and envs.cuda_kernels_enabled():
+            choice = "cuda"
+        hf = read_hf_config(self.config.model.model)
+        head_dim = DecoderSpec.from_hf_config(hf, architecture_of(hf)).head_dim
+        kernels = select_kernels(
+            choice, self.device, self.dtype, head_dim, self.block_size, envs.cache_dir() / "kernels"
+        )
+        logger.info("attention backend: %s", kernels.attention.name)
+        return kernels
 
     def _kv_layout(self) -> KVCacheLayout:
         cache = self.config.cache

@@ -12,8 +12,9 @@ import torch
 
 from engine_svc import envs
 from engine_svc.models.layers import RMSNorm, RotaryEmbedding
-from kernels import cuda, cuda_ops, ops, variants
+from kernels import cuda, cuda_ops, variants
 from kernels import reference_norm_rope as ref
+from kernels.attention_backends import select_kernels
 from tests.gpu.helpers import make_case
 
 
@@ -28,7 +29,7 @@ def test_norm_references_equal_the_layer(dtype: torch.dtype) -> None:
     got_out, got_sum = ref.fused_add_rms_norm(x, res, norm.weight, 1e-6)
     assert torch.equal(got_out, out) and torch.equal(got_sum, summed)
     assert torch.equal(ref.rms_norm(x, norm.weight, 1e-6), norm.norm(x))
-    assert torch.equal(ops.fused_add_rms_norm(x, res, norm.weight, 1e-6)[0], out)
+    assert torch.equal(ref.fused_add_rms_norm(x, res, norm.weight, 1e-6)[0], out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -38,7 +39,7 @@ def test_rotary_reference_equals_the_layer(dtype: torch.dtype) -> None:
     qkv = torch.randn(7, (4 + 2 * 2) * 24, dtype=dtype)
     q, k = qkv[:, : 4 * 24].view(7, 4, 24), qkv[:, 4 * 24 : 6 * 24].view(7, 2, 24)
     want_q, want_k = rope(positions, q, k)
-    ops.rotary_embedding(positions, q, k, rope.cos, rope.sin)  # in place, through the views
+    ref.rotary_embedding(positions, q, k, rope.cos, rope.sin)  # in place, through the views
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
@@ -47,16 +48,23 @@ def test_cuda_kernels_are_off_by_default(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not envs.cuda_kernels_enabled()
     monkeypatch.setenv("TANDEM_CUDA_KERNELS", "1")
     assert envs.cuda_kernels_enabled()
-    # CPU tensors stay on the references even when enabled.
+    # The choice is made once, from config: on the CPU the CUDA backend is refused by name.
+    with pytest.raises(ValueError, match="CUDA device"):
+        select_kernels("cuda", torch.device("cpu"), torch.float32, 64, 16, Path("/nonexistent"))
+    kernels = select_kernels("torch", torch.device("cpu"), torch.float32, 64, 16, Path("/x"))
     x = torch.randn(3, 8)
-    assert torch.equal(ops.rms_norm(x, torch.ones(8), 1e-6), ref.rms_norm(x, torch.ones(8), 1e-6))
+    assert torch.equal(
+        kernels.rms_norm(x, torch.ones(8), 1e-6), ref.rms_norm(x, torch.ones(8), 1e-6)
+    )
 
 
 def test_cpu_path_never_imports_cupy() -> None:
     code = (
-        "import sys, torch, kernels, kernels.ops, kernels.cuda_ops\n"
+        "import sys, torch, kernels, kernels.attention_backends, kernels.cuda_ops\n"
         "from engine_svc.models import llama\n"
-        "kernels.ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
+        "k = kernels.attention_backends.select_kernels('torch', torch.device('cpu'), "
+        "torch.float32, 64, 16, None)\n"
+        "k.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
         "assert 'cupy' not in sys.modules, 'cupy imported'\n"
     )
     root = Path(__file__).resolve().parents[2]

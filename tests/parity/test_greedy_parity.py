@@ -29,12 +29,19 @@ def _tandem(llm: LLM, prompts: list[list[int]], ignore_eos: bool) -> list[list[i
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3_tied", "qwen2", "qwen3"])
-def test_batched_greedy_matches_transformers(tiny_models: dict[str, Path], name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [("llama", "auto"), ("llama3_tied", "auto"), ("qwen2", "auto"), ("qwen3", "auto")]
+    + [("qwen3", "torch")],  # the reference attention backend, which auto does not pick on CPU
+)
+def test_batched_greedy_matches_transformers(
+    tiny_models: dict[str, Path], name: str, backend: str
+) -> None:
     model_dir = tiny_models[name]
     hf = load_hf(model_dir)
     prompts = _prompts(LENGTHS, hf.config.vocab_size)
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, attention_backend=backend)
+    assert llm.engine.runner.kernels.attention.name == ("torch" if backend == "torch" else "cpu")
     # Stopping at EOS (the default), and running past it.
     for ignore_eos in (False, True):
         got = _tandem(llm, prompts, ignore_eos)

@@ -238,6 +238,26 @@ def test_decode_publishes_blocks_as_they_fill() -> None:
     assert _probe_hits(kv, [1, 2, 3, 4, 5, 6, 70, 80, 0], "p3") == ([0, 1], 8)
 
 
+def test_each_step_publishes_only_the_blocks_that_filled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing is O(new blocks) per step, not O(all blocks of the request): decoding 400
+    tokens publishes each full block once (it used to re-publish every full block every step)."""
+    kv = KVCacheManager(200, BS)
+    calls: list[int] = []
+    real = kv.pool.cache
+    monkeypatch.setattr(kv.pool, "cache", lambda b, h: (calls.append(b.block_id), real(b, h)))
+    r1 = _req("r1", [1, 2, 3, 4, 5, 6])
+    _admit(kv, r1)
+    assert calls == [0]
+    for i in range(400):
+        _decode(kv, r1, 100 + i % 50)
+    assert len(calls) == len(set(calls)) == (6 + 400) // BS
+    # A request resuming from the prefix cache does not publish its hits again.
+    r2 = _req("r2", r1.all_token_ids[:40] + [7])
+    calls.clear()
+    _admit(kv, r2)
+    assert calls == []  # blocks 0..9 are hits; the tail block is not full
+
+
 def test_prefix_caching_disabled_never_hits() -> None:
     kv = KVCacheManager(10, BS, enable_caching=False)
     r1 = _req("r1", PREFIX + [31])
