@@ -38,6 +38,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         max_position_embeddings=4096,
     ),
+    # The shape issue 10 measures with: ~25M parameters, hidden 512, 6 layers, 8/4 heads.
+    "llama-h512": dict(
+        arch="LlamaForCausalLM",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
     "qwen3-0.6b": dict(
         arch="Qwen3ForCausalLM",
         vocab_size=151936,

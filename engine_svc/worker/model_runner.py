@@ -18,13 +18,13 @@ from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine_svc.models.llama import DecoderSpec
 from engine_svc.models.loader import architecture_of, load_model, read_hf_config
+from engine_svc.worker.device import resolve_device, resolve_dtype
 from engine_svc.worker.sampler import SamplingMetadata, gather_logprobs, sample
 from kernels.attention_backends import Kernels, select_kernels
 from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 
@@ -33,18 +33,6 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:
