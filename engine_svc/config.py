@@ -68,6 +68,9 @@ class EngineConfig:
     # auto | torch | cpu | cuda (kernels.attention_backends); auto: the C kernel on the CPU,
     # torch on CUDA (cuda with TANDEM_CUDA_KERNELS=1 until the kernels are verified on a GPU).
     attention_backend: str = "auto"
+    # Pad decode-only steps to batch-size buckets in static buffers (what CUDA graphs need).
+    # None: on CUDA only (on the CPU padding is pure cost).
+    pad_decode_batches: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in BACKENDS:

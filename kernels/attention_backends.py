@@ -155,7 +155,10 @@ class CudaAttention:
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+    """int32 with contiguous rows (a view into a wider table is kept as it is)."""
+    if t.dtype == torch.int32 and t.stride(-1) == 1:
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 def select_kernels(

@@ -47,7 +47,7 @@ def paged_decode(
     query: torch.Tensor,  # [num_reqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32, rows contiguous
     seq_lens: torch.Tensor,  # [num_reqs] int32, each >= 1
     scale: float,
     out: torch.Tensor | None = None,
@@ -65,8 +65,8 @@ def paged_decode(
     _check(h % hkv == 0, f"num_heads {h} is not a multiple of num_kv_heads {hkv}")
     _check(query.is_contiguous() and not query.is_cuda, "query must be a contiguous CPU tensor")
     _check(
-        block_tables.dtype == torch.int32 and block_tables.is_contiguous(),
-        "block_tables must be contiguous int32",
+        block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1,
+        "block_tables must be int32 with contiguous rows",
     )
     _check(block_tables.shape[0] >= n, "block_tables has fewer rows than query")
     _check(
@@ -83,7 +83,7 @@ def paged_decode(
             key_cache.data_ptr(),
             value_cache.data_ptr(),
             block_tables.data_ptr(),
-            block_tables.shape[1],
+            block_tables.stride(0),  # the row stride: a view of a wider table is fine
             seq_lens.data_ptr(),
             out.data_ptr(),
             n,

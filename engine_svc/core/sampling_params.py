@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_LOGPROBS = 20
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # a temperature below this is greedy
 
 
 @dataclass
@@ -134,7 +134,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     @property
     def has_penalties(self) -> bool:

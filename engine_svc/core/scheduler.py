@@ -48,6 +48,10 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    # Admitted from the waiting queue this step (new, or back after a preemption): block_ids are
+    # all of its blocks and the model runner (re)builds its row. Otherwise block_ids are only the
+    # blocks allocated this step (usually none), so a step costs O(new blocks), not O(blocks).
+    admitted: bool
     block_ids: list[int]
 
 
@@ -176,7 +180,7 @@ class Scheduler:
             if num_new <= 0:  # everything computed; waits for its sampled token
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
@@ -190,7 +194,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new, []))
+                new_ids = [b.block_id for b in new_blocks]
+                scheduled.append(ScheduledRequest(request, num_new, False, new_ids))
                 budget -= num_new
                 i += 1
                 continue
@@ -222,11 +227,10 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new, []))
+            block_ids = self.kv.get_block_ids(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_new, True, block_ids))
             budget -= num_new
 
-        for s in scheduled:
-            s.block_ids = self.kv.get_block_ids(s.request.request_id)
         out = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,

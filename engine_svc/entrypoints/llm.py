@@ -79,6 +79,7 @@ class LLM:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         device: str = "auto",
         attention_backend: str = "auto",
+        pad_decode_batches: bool | None = None,
         seed: int = 0,
         served_model_name: str | None = None,
     ) -> None:
@@ -112,6 +113,7 @@ class LLM:
             ),
             device=device,
             attention_backend=attention_backend,
+            pad_decode_batches=pad_decode_batches,
         )
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -1,8 +1,10 @@
 """The model runner: turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
 
-Per step it builds the flattened batch (decodes first, then multi-token chunks), the positions,
-the slot mapping and the block tables, runs the model, computes logits only for rows that
-sample (and for prompt-logprob rows), and samples.
+Per step it updates its persistent batch (``input_batch``: one row per running request), builds
+the flattened inputs from it (``step_inputs``: decodes first, then multi-token chunks; decode
+steps optionally padded to size buckets in static buffers), runs the model, computes logits only
+for rows that sample (and for prompt-logprob rows), and samples (``sampling_inputs``,
+``sampler``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine_svc import envs
@@ -17,11 +20,18 @@ from engine_svc.config import EngineConfig, KVCacheLayout
 from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine_svc.models.llama import DecoderSpec
-from engine_svc.models.loader import architecture_of, load_model, read_hf_config
+from engine_svc.models.loader import (
+    architecture_of,
+    checkpoint_dtype,
+    load_model,
+    read_hf_config,
+)
 from engine_svc.worker.device import resolve_device, resolve_dtype
-from engine_svc.worker.sampler import SamplingMetadata, gather_logprobs, sample
+from engine_svc.worker.input_batch import InputBatch
+from engine_svc.worker.sampler import gather_logprobs, sample
+from engine_svc.worker.sampling_inputs import sampling_metadata
+from engine_svc.worker.step_inputs import StepBuffers, build_step, decode_buckets
 from kernels.attention_backends import Kernels, select_kernels
-from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +49,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(
+            config.model.dtype, self.device, checkpoint_dtype(config.model.model)
+        )
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         self.kernels = self._select_kernels()
@@ -61,7 +73,23 @@ class ModelRunner:
             )
             for _ in range(self.spec.num_layers)
         ]
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
+        sched = config.scheduler
+        max_blocks = -(-max_model_len // self.block_size)
+        self.input_batch = InputBatch(
+            sched.max_num_seqs, max_model_len, max_blocks, self.spec.vocab_size, self.device
+        )
+        # Decode steps padded to size buckets with static buffers: what CUDA graphs replay.
+        # On by default on CUDA; on the CPU padding only costs, so it is off (tests turn it on).
+        pad = config.pad_decode_batches
+        self.pad_decodes = self.device.type == "cuda" if pad is None else pad
+        self.buckets = decode_buckets(sched.max_num_seqs)
+        self.buffers = StepBuffers(
+            max(sched.max_num_batched_tokens, sched.max_num_seqs),
+            sched.max_num_seqs,
+            max_blocks,
+            self.device,
+        )
         logger.info(
             "model loaded on %s (%s); KV cache: %d blocks x %d tokens",
             self.device,
@@ -115,144 +143,60 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in so.finished_ids:
-            self.generators.pop(rid, None)
+        self._update_batch(so)
         if so.is_empty:
             return ModelRunnerOutput()
-        batch = sorted(so.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
-        input_ids, positions, meta, last_index = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        step = build_step(
+            so.scheduled,
+            self.input_batch,
+            self.buffers,
+            self.block_size,
+            self.buckets if self.pad_decodes else None,
+        )
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
 
         out = ModelRunnerOutput()
-        sampling = [
-            (i, s)
-            for i, s in enumerate(batch)
-            if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens
-        ]
-        if sampling:
-            rows = torch.tensor([last_index[i] for i, _ in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            reqs = [s.request for _, s in sampling]
-            result = sample(logits, self._sampling_metadata(reqs, logits.shape[-1]))
+        reaching_end = np.fromiter(
+            (
+                s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens
+                for s in step.batch
+            ),
+            bool,
+            len(step.batch),
+        )
+        sampling = np.flatnonzero(reaching_end)
+        if sampling.size:
+            reqs = [step.batch[i].request for i in sampling]
+            rows = step.rows[sampling]
+            index = torch.from_numpy(step.last_index[sampling]).to(self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            md = sampling_metadata(self.input_batch, rows, reqs, self.generators, logits.shape[-1])
+            result = sample(logits, md)
             token_ids = result.token_ids.tolist()  # the one host sync of the step
+            self.input_batch.append_sampled(rows.tolist(), token_ids, result.token_ids)
             for req, token in zip(reqs, token_ids, strict=True):
                 out.sampled[req.request_id] = token
             if result.top_ids is not None:
                 self._collect_logprobs(reqs, result, out)
-        for i, s in enumerate(batch):
+        for i, s in enumerate(step.batch):
             if s.request.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprobs(s, hidden, last_index[i], out)
+                self._prompt_logprobs(s, hidden, int(step.last_index[i]), out)
         return out
 
-    def _prepare(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the batch::
-
-        request     r0      r1      r2 (chunk of 4 after 8 cached)
-        tokens      [a]     [b]     [c c c c]
-        positions   [17]    [40]    [8 9 10 11]
-        slot        bt[r][pos // bs] * bs + pos % bs
-        """
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        for s in batch:
-            start = s.request.num_computed_tokens
-            end = start + s.num_tokens
-            tokens.extend(s.request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start.append(len(tokens))
-            seq_lens.append(end)
-        max_blocks = max(len(s.block_ids) for s in batch)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch]
-
-        block_tables = torch.tensor(tables, dtype=torch.int64)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        q_lens = torch.tensor([s.num_tokens for s in batch], dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
-        slots = block_tables[req_of_token, pos // bs] * bs + pos % bs
-        num_decodes = sum(1 for s in batch if s.num_tokens == 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            num_reqs=len(batch),
-            num_decodes=num_decodes,
-            num_tokens=len(tokens),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int64).to(dev, non_blocking=True),
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=query_start,
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True)
-        last_index = [q - 1 for q in query_start[1:]]
-        return input_ids, pos.to(dev, non_blocking=True), meta, last_index
-
-    def _sampling_metadata(self, reqs: list[Request], vocab: int) -> SamplingMetadata:
-        params = [r.sampling_params for r in reqs]
-        dev = self.device
-        all_greedy = all(p.greedy for p in params)
-        md = SamplingMetadata(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=dev
-            ),
-            all_greedy=all_greedy,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            generators={},
-        )
-        if not all_greedy:
-            if any(p.top_k > 0 for p in params):
-                md.top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
-            if any(p.top_p < 1.0 for p in params):
-                md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-            if any(p.min_p > 0.0 for p in params):
-                md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-            for row, r in enumerate(reqs):
-                seed = r.sampling_params.seed
-                if seed is not None and not r.sampling_params.greedy:
-                    gen = self.generators.get(r.request_id)
-                    if gen is None:
-                        gen = torch.Generator(device=dev)
-                        gen.manual_seed(seed % 2**64)
-                        self.generators[r.request_id] = gen
-                    md.generators[row] = gen
-        if any(p.has_penalties for p in params):
-            self._add_penalties(md, reqs, vocab)
-        banned = []
-        for row, r in enumerate(reqs):
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                ids = [t for t in ids if t < vocab]
-                if ids:
-                    banned.append((row, ids))
-        md.banned = banned or None
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(wanted) if wanted else None
-        return md
-
-    def _add_penalties(self, md: SamplingMetadata, reqs: list[Request], vocab: int) -> None:
-        dev = self.device
-        b = len(reqs)
-        params = [r.sampling_params for r in reqs]
-        md.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
-        md.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
-        md.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        counts = torch.zeros(b, vocab, dtype=torch.int32)
-        seen = torch.zeros(b, vocab, dtype=torch.bool)
-        for row, r in enumerate(reqs):
-            out_ids = torch.tensor(r.output_token_ids, dtype=torch.int64)
-            counts[row].scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
-            seen[row, torch.tensor(r.all_token_ids, dtype=torch.int64)] = True
-        md.output_counts = counts.to(dev, non_blocking=True)
-        md.seen_mask = seen.to(dev, non_blocking=True)
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        """Bring the persistent batch up to this step: drop finished and preempted requests,
+        give admitted ones a row, append the blocks running ones got."""
+        batch = self.input_batch
+        for rid in so.finished_ids:
+            batch.remove(rid)
+            self.generators.pop(rid, None)
+        for rid in so.preempted_ids:
+            batch.remove(rid)  # its generator stays: a seeded request resumes its stream
+        for s in so.scheduled:
+            if s.admitted:
+                batch.add(s.request, s.block_ids)
+            elif s.block_ids:
+                batch.append_blocks(batch.row_of[s.request.request_id], s.block_ids)
 
     def _collect_logprobs(self, reqs: list[Request], result, out: ModelRunnerOutput) -> None:  # type: ignore[no-untyped-def]
         lp = result.sampled_logprobs.tolist()

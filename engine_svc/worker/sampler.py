@@ -6,6 +6,11 @@ Order of operations on each row:
 
 The exponential race (argmax of p / q with q ~ Exp(1)) draws exactly from p; a seeded request
 draws its q from its own generator, so its tokens do not depend on what else is in the batch.
+
+The caller's logits are never written to. An all-greedy batch without bans or penalties takes
+the argmax of the logits as they are (bf16 -> fp32 is exact, so the index is the one a float
+copy would give); penalties are computed on the penalised rows only; otherwise the first float
+tensor made is the temperature-divided copy the random rows need anyway.
 """
 
 from __future__ import annotations
@@ -18,21 +23,32 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
+class Penalties:
+    """The rows of the batch that have a penalty, with their parameters and token statistics."""
+
+    rows: torch.Tensor  # [P] int64: the logits rows that have any penalty
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+    output_counts: torch.Tensor  # [P, V] int32: occurrences of each token in the row's output
+    seen_mask: torch.Tensor  # [P, V] bool: token in the row's prompt or output
+
+
+@dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32, 0 for greedy rows
     all_greedy: bool
-    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
-    top_p: torch.Tensor | None  # [B] float32
+    top_k: torch.Tensor | None  # [B] int64, vocab size (or more) where disabled
+    top_p: torch.Tensor | None  # [B] float32, 1 where disabled
     min_p: torch.Tensor | None  # [B] float32
     generators: dict[int, torch.Generator]  # row -> seeded generator
-    # Penalties, None when no row uses them.
-    presence: torch.Tensor | None = None  # [B]
-    frequency: torch.Tensor | None = None  # [B]
-    repetition: torch.Tensor | None = None  # [B]
-    output_counts: torch.Tensor | None = None  # [B, V] occurrences in the output so far
-    seen_mask: torch.Tensor | None = None  # [B, V] token in prompt or output
+    penalties: Penalties | None = None  # None when no row has a penalty
     banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) while under min_tokens
     max_num_logprobs: int | None = None  # top-N for rows asking for logprobs
+    # Host-side size of the top-k candidate set, when top_k is set: the largest top_k below the
+    # vocab size, or the vocab size if a row has top_p < 1 without a top_k (that row needs a
+    # full sort). None: read from top_k/top_p on the device (one device-to-host copy).
+    max_top_k: int | None = None
 
 
 @dataclass
@@ -47,26 +63,12 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
-
-    if md.banned:
-        logits = logits.clone()
-        for row, ids in md.banned:
-            logits[row, ids] = _NEG_INF
-    if md.presence is not None:
-        logits = apply_penalties(logits, md)
-
-    greedy = logits.argmax(dim=-1)
-    if md.all_greedy:
-        tokens = greedy
-    else:
-        tokens = _random_sample(logits, md, greedy)
-
+    tokens = _greedy_sample(logits, md) if md.all_greedy else _random_sample(logits, md)
     out = SamplerOutput(token_ids=tokens)
-    if raw_logprobs is not None:
+    if md.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs = gather_logprobs(
-            raw_logprobs, tokens, md.max_num_logprobs or 0
+            raw_logprobs, tokens, md.max_num_logprobs
         )
     return out
 
@@ -83,32 +85,68 @@ def gather_logprobs(
     return chosen, ranks, top_ids, top_lp
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """OpenAI presence/frequency penalties on output tokens; repetition penalty (divide positive,
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """The rows ``penalties.rows`` of ``logits`` as a new [P, V] float32 tensor, penalised:
+    OpenAI presence/frequency penalties on output tokens; repetition penalty (divide positive,
     multiply negative logits) on every token seen in prompt or output."""
-    assert md.output_counts is not None and md.seen_mask is not None
-    assert md.presence is not None and md.frequency is not None and md.repetition is not None
-    rep = md.repetition.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(md.seen_mask, penalized, logits)
-    counts = md.output_counts.to(logits.dtype)
-    logits = logits - md.frequency.unsqueeze(1) * counts
-    logits = logits - md.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
-    return logits
+    x = logits.index_select(0, penalties.rows).float()
+    rep = penalties.repetition.unsqueeze(1)
+    penalized = torch.where(x > 0, x / rep, x * rep)
+    x = torch.where(penalties.seen_mask, penalized, x)
+    counts = penalties.output_counts.to(x.dtype)
+    x = x - penalties.frequency.unsqueeze(1) * counts
+    x = x - penalties.presence.unsqueeze(1) * (counts > 0).to(x.dtype)
+    return x
 
 
-def _random_sample(
-    logits: torch.Tensor, md: SamplingMetadata, greedy: torch.Tensor
+def _greedy_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.banned:
+        return _processed(logits, md, None).argmax(dim=-1)
+    # No float copy: bf16/fp16 -> fp32 is exact, and argmax returns the first maximum either way.
+    tokens = logits.argmax(dim=-1)
+    if md.penalties is not None:
+        pen = md.penalties
+        tokens.index_copy_(0, pen.rows, apply_penalties(logits, pen).argmax(dim=-1))
+    return tokens
+
+
+def _processed(
+    logits: torch.Tensor, md: SamplingMetadata, temperature: torch.Tensor | None
 ) -> torch.Tensor:
+    """A new float32 tensor: the logits with bans and penalties, divided by ``temperature``
+    when given. Bans are applied last: a banned -inf stays -inf through penalties (repetition
+    > 0) and temperature, so this equals ban -> penalties -> temperature."""
+    if temperature is None:
+        out = logits.to(torch.float32, copy=True)
+    else:
+        out = logits / temperature.unsqueeze(1)  # bf16 / fp32 computes in fp32
+    pen = md.penalties
+    if pen is not None:
+        rows = apply_penalties(logits, pen)
+        if temperature is not None:
+            rows = rows / temperature.index_select(0, pen.rows).unsqueeze(1)
+        out.index_copy_(0, pen.rows, rows)
+    for row, ids in md.banned or ():
+        out[row, ids] = _NEG_INF
+    return out
+
+
+def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     is_greedy = md.temperature < 1e-5
     temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
-    logits = logits / temperature.unsqueeze(1)
+    logits = _processed(logits, md, temperature)
+    greedy = logits.argmax(dim=-1)  # greedy rows were divided by exactly 1
     if md.min_p is not None:
         probs = torch.softmax(logits, dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
-    if md.top_k is not None or md.top_p is not None:
-        logits = _top_k_top_p(logits, md.top_k, md.top_p)
+    if md.top_k is not None:
+        num = md.max_top_k
+        if num is None:
+            num = _num_top_candidates(md.top_k, md.top_p, logits.shape[-1])
+        logits = _top_k_top_p(logits, md.top_k, md.top_p, num)
+    elif md.top_p is not None:
+        logits = _sorted_top_k_top_p(logits, None, md.top_p)
     probs = torch.softmax(logits, dim=-1)
 
     q = torch.empty_like(probs)
@@ -120,10 +158,73 @@ def _random_sample(
     return torch.where(is_greedy, greedy, sampled)
 
 
+def _num_top_candidates(top_k: torch.Tensor, top_p: torch.Tensor | None, vocab: int) -> int:
+    """``SamplingMetadata.max_top_k`` computed on the device (one device-to-host copy)."""
+    disabled = top_k >= vocab
+    need = top_k.clamp(min=1).masked_fill(disabled, 0)
+    if top_p is not None:
+        need = need.masked_fill(disabled & (top_p < 1), vocab)
+    return int(need.max())
+
+
 def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, num: int
+) -> torch.Tensor:
+    """Top-k (and top-p among the top-k) from the ``num`` largest values of each row.
+
+    Same result as ``_sorted_top_k_top_p``: top-k keeps every value >= the k-th largest (ties
+    kept); top-p then drops the ascending prefix whose cumulative probability is <= 1 - p,
+    never the largest value; among equal values the lower token ids are dropped first (a stable
+    sort). Rows with top_k >= vocab are left as they are, which needs their top_p to be 1:
+    ``num`` is the vocab size otherwise, and the full sort is used.
+    """
+    vocab = logits.shape[-1]
+    if num >= vocab:
+        return _sorted_top_k_top_p(logits, top_k, top_p)
+    if num <= 0:
+        return logits
+    vals = logits.topk(num, dim=-1).values  # [B, num], descending
+    has_k = (top_k < vocab).unsqueeze(1)
+    kth = vals.gather(1, top_k.clamp(1, num).unsqueeze(1) - 1).masked_fill(~has_k, _NEG_INF)
+    if top_p is None:
+        return logits.masked_fill(logits < kth, _NEG_INF)
+
+    # The top-k set S of a row is {x >= kth}: the candidates >= kth, plus `missing` values
+    # equal to kth that topk left out (a tie across position num).
+    in_s = vals >= kth
+    num_s = (logits >= kth).sum(-1, keepdim=True)
+    num_in = in_s.sum(-1, keepdim=True)
+    missing = num_s - num_in
+    e = torch.exp(vals - vals[:, :1]).masked_fill(~in_s, 0.0)
+    e_kth = torch.exp(kth - vals[:, :1])
+    z = e.sum(-1, keepdim=True) + missing * e_kth
+    m = e_kth / z  # probability of each value equal to kth
+    cut = 1 - top_p.unsqueeze(1)
+    # Ascending cumulative probability over S: the missing values (the smallest of S) first.
+    asc = (e / z).flip(-1)
+    asc[:, :1] += missing * m
+    cum = asc.cumsum(-1)
+    dropped = ((cum <= cut) & in_s.flip(-1)).sum(-1, keepdim=True)
+    dropped_missing = torch.where(
+        m > 0, torch.minimum((cut / m).floor(), missing.to(m.dtype)), missing.to(m.dtype)
+    )
+    keep_n = (num_s - dropped - dropped_missing.long()).clamp(min=1)
+
+    # Keep the keep_n largest of S, the larger token id first among equal values: all values
+    # above the cutoff value v, and the `need` highest ids of those equal to v.
+    v = vals.gather(1, torch.minimum(keep_n, num_in) - 1)
+    need = keep_n - (vals > v).sum(-1, keepdim=True)
+    eq = logits == v
+    rank = eq.cumsum(-1, dtype=torch.int32)  # equal values at ids <= this one
+    keep = (logits > v) | (eq & (rank > rank[:, -1:] - need)) | ~has_k
+    return logits.masked_fill(~keep, _NEG_INF)
+
+
+def _sorted_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    """Top-k/top-p with a full sort of each row: for top-p without top-k."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)
     vocab = logits.shape[-1]
     if top_k is not None:
         # Keep the k largest: everything below the k-th largest value goes.

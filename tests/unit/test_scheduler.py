@@ -48,6 +48,8 @@ def _step(
     """One engine step. Like the model runner, only a request whose known tokens are all computed
     after this step samples one (``tokens`` overrides the default per request)."""
     out = sched.schedule()
+    for s in out.scheduled:  # the plans below name every block each request holds
+        s.block_ids = sched.kv.get_block_ids(s.request.request_id)
     sampled = {
         s.request.request_id: (tokens or {}).get(s.request.request_id, TOK)
         for s in out.scheduled
@@ -628,3 +630,42 @@ def test_full_run_returns_every_block() -> None:
         assert r.num_output_tokens == r.sampling_params.max_tokens
     assert sched.kv.num_free_blocks == 10
     assert not sched.running and len(sched.waiting) == 0 and not sched.requests
+
+
+def test_a_step_names_only_new_blocks_except_for_admitted_requests() -> None:
+    """The runner keeps each request's block table; a step sends only what changed (O(new
+    blocks)), and everything again when a request is (re)admitted, e.g. after a preemption."""
+    sched = _sched(num_blocks=6, max_num_batched_tokens=64, max_model_len=24)  # 6 x BS 4
+    sched.add_request(_req("a", 6, 0.0, max_tokens=40))  # BS 4: blocks for 6 tokens
+    out = sched.schedule()
+    [s] = out.scheduled
+    assert (s.admitted, s.block_ids) == (True, [0, 1])
+    for _ in range(2):  # positions 6 and 7 still fit block 1
+        sched.update_from_output(out, {"a": TOK})
+        out = sched.schedule()
+        assert [(s.admitted, s.block_ids) for s in out.scheduled] == [(False, [])]
+    sched.update_from_output(out, {"a": TOK})  # position 8 needs block 2
+    out = sched.schedule()
+    assert [(s.admitted, s.block_ids) for s in out.scheduled] == [(False, [2])]
+    sched.update_from_output(out, {"a": TOK})
+    # b arrives; one of them is preempted when blocks run out and comes back with its table.
+    sched.add_request(_req("b", 11, 1.0, max_tokens=40))
+    steps = 0
+    seen_readmission = False
+    while sched.has_unfinished():
+        assert steps < 100, "no progress"
+        out = sched.schedule()
+        for s in out.scheduled:
+            if s.request.num_preemptions and s.admitted:
+                assert s.block_ids == sched.kv.get_block_ids(s.request.request_id)
+                seen_readmission = True
+            elif not s.admitted:
+                assert len(s.block_ids) <= 1
+        _tokens = {
+            s.request.request_id: TOK
+            for s in out.scheduled
+            if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens
+        }
+        sched.update_from_output(out, _tokens)
+        steps += 1
+    assert seen_readmission

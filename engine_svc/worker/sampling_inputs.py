@@ -1,0 +1,97 @@
+"""A step's ``SamplingMetadata``, read from the persistent batch's per-row arrays.
+
+Nothing here walks the whole vocabulary or the requests' token lists: parameters are gathered
+by row from numpy arrays, penalties come from the batch's device-side counts (kept up to date as
+tokens are sampled), and only the rows that need something special (a seed, min_tokens still to
+reach, logprobs) are visited one by one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine_svc.core.request import Request
+from engine_svc.core.sampling_params import GREEDY_EPS
+from engine_svc.worker.input_batch import InputBatch
+from engine_svc.worker.sampler import Penalties, SamplingMetadata
+
+
+def sampling_metadata(
+    batch: InputBatch,
+    rows: np.ndarray,
+    reqs: list[Request],
+    generators: dict[str, torch.Generator],
+    vocab: int,
+) -> SamplingMetadata:
+    """Metadata for the logits rows of ``reqs`` (persistent-batch ``rows``, in that order).
+    ``generators`` holds each seeded request's generator (created here on first use)."""
+    dev = batch.device
+
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values)).to(dev)
+
+    temperature = batch.temperature[rows]
+    all_greedy = bool((temperature < GREEDY_EPS).all())
+    md = SamplingMetadata(
+        temperature=tensor(temperature),
+        all_greedy=all_greedy,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        generators={},
+    )
+    if not all_greedy:
+        top_k = batch.top_k[rows]
+        if (top_k > 0).any():
+            md.top_k = tensor(np.where(top_k > 0, top_k, vocab).astype(np.int64))
+        top_p = batch.top_p[rows]
+        if (top_p < 1.0).any():
+            md.top_p = tensor(top_p)
+        if md.top_k is not None or md.top_p is not None:
+            # How many candidates the sampler keeps per row, known here without a device sync:
+            # the largest top_k, or the whole vocabulary for a top_p row without one.
+            limited = (top_k > 0) & (top_k < vocab)
+            md.max_top_k = int(np.where(limited, top_k, np.where(top_p < 1.0, vocab, 0)).max())
+        min_p = batch.min_p[rows]
+        if (min_p > 0.0).any():
+            md.min_p = tensor(min_p)
+        for i in np.flatnonzero(temperature >= GREEDY_EPS):
+            request = reqs[i]
+            seed = request.sampling_params.seed
+            if seed is None:
+                continue
+            gen = generators.get(request.request_id)
+            if gen is None:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(seed % 2**64)
+                generators[request.request_id] = gen
+            md.generators[int(i)] = gen
+
+    penalized = np.flatnonzero(batch.has_penalty[rows])
+    if penalized.size:
+        assert batch.output_counts is not None and batch.seen_mask is not None
+        prows = tensor(rows[penalized])
+        md.penalties = Penalties(
+            rows=tensor(penalized.astype(np.int64)),
+            presence=tensor(batch.presence[rows[penalized]]),
+            frequency=tensor(batch.frequency[rows[penalized]]),
+            repetition=tensor(batch.repetition[rows[penalized]]),
+            output_counts=batch.output_counts.index_select(0, prows),
+            seen_mask=batch.seen_mask.index_select(0, prows),
+        )
+
+    # min_tokens: EOS and stop_token_ids are banned while the output is shorter.
+    num_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    banned = []
+    for i in np.flatnonzero(num_out < batch.min_tokens[rows]):
+        request = reqs[i]
+        p = request.sampling_params
+        ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+        ids = [t for t in ids if t < vocab]
+        if ids:
+            banned.append((int(i), ids))
+    md.banned = banned or None
+    wanted = [r.sampling_params.logprobs for r in reqs if r.sampling_params.logprobs is not None]
+    md.max_num_logprobs = max(wanted) if wanted else None
+    return md
