@@ -38,9 +38,13 @@ class RMSNorm(nn.Module):
         return self._impl(x, self.weight, self.eps)
 
 
+def _rope_dim(head_dim: int, rope: dict[str, Any]) -> int:
+    return int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+
+
 def _rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     base = float(rope.get("rope_theta", 10000.0))
-    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    dim = _rope_dim(head_dim, rope)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
@@ -62,18 +66,40 @@ def _rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with a cos/sin table precomputed up to ``max_positions``."""
+    """Neox-style rotary embedding with a cos/sin table precomputed up to ``max_positions``.
+
+    The tables are float32 buffers whatever the serving dtype. Built on the meta device they only
+    have their shape (computing them there would import torch's meta decompositions, ~1 s): call
+    ``init_tables(device)`` once the model is materialised.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = _rope_inv_freq(head_dim, rope)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rope = dict(rope)
+        if torch.get_default_device().type == "meta":
+            width = 2 * len(range(0, _rope_dim(head_dim, rope), 2))  # cat(freqs, freqs)
+            cos, sin = torch.empty(max_positions, width), torch.empty(max_positions, width)
+        else:
+            cos, sin = self._tables()
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def init_tables(self, device: torch.device) -> None:
+        """(Re)compute the cos/sin tables in float32 on ``device``."""
+        with torch.device(device):
+            self.cos, self.sin = self._tables()
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # On the ambient default device (``with torch.device(...)``), in float32.
+        inv_freq = _rope_inv_freq(self.head_dim, self.rope)
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -169,7 +169,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         kernels = kernels or Kernels(TorchAttention(), reference_norm_rope.rms_norm)
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Weights are uninitialised until load_weights (the loader builds this on the meta device):
+        # an explicit empty weight skips nn.Embedding's normal_ init, whose first call on the meta
+        # device imports torch._dynamo and sympy (~1.2 s, ~70 MB).
+        embed = torch.empty(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=embed)
         # One rotary table for all layers: per layer it cost num_layers x max_positions x
         # head_dim x 8 bytes (~1 GiB for Qwen3-0.6B at 40,960 positions).
         self.rotary_emb = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
@@ -200,32 +204,43 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the fused parameters."""
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters, casting each to
+        the parameter's dtype on the copy. Every parameter must be provided: a missing tensor is
+        an error, so none is left uninitialised (a tied lm_head is the embedding)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue
-            shard = None
-            for frag, (fused, index) in self._FUSED.items():
-                if frag in name:
-                    name, shard = name.replace(frag, fused), index
-                    break
-            if name not in params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            param = params[name]
-            with torch.no_grad():
-                if shard is None:
-                    _copy(param, tensor, name)
-                else:
-                    _copy(_shard_view(param, name, shard, self.spec), tensor, f"{name}[{shard}]")
-            loaded.add(name if shard is None else f"{name}#{shard}")
+            key = self._load_one(params, name, tensor)
+            del tensor  # hold one checkpoint tensor at a time
+            if key is not None:
+                loaded.add(key)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+
+    def _load_one(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    ) -> str | None:
+        """Copy one checkpoint tensor; its loaded key (``name#shard`` if fused), None if skipped."""
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            return None
+        shard = None
+        for frag, (fused, index) in self._FUSED.items():
+            if frag in name:
+                name, shard = name.replace(frag, fused), index
+                break
+        if name not in params:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        param = params[name]
+        with torch.no_grad():
+            if shard is None:
+                _copy(param, tensor, name)
+            else:
+                _copy(_shard_view(param, name, shard, self.spec), tensor, f"{name}[{shard}]")
+        return name if shard is None else f"{name}#{shard}"
 
     def _expected_names(self) -> list[str]:
         names = []

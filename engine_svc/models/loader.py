@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine_svc.models.llama import DecoderSpec, LlamaForCausalLM
 from kernels.attention_backends import Kernels
@@ -35,6 +36,14 @@ def architecture_of(cfg: dict[str, Any]) -> str:
     )
 
 
+def checkpoint_dtype(model_dir: str | Path) -> str | None:
+    """The dtype config.json records for the weights (``dtype``, or the older ``torch_dtype``),
+    e.g. ``"bfloat16"``; None when it names none."""
+    cfg = read_hf_config(model_dir)
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return str(name) if name else None
+
+
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, sharded (model.safetensors.index.json) or not."""
     model_dir = Path(model_dir)
@@ -47,6 +56,8 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     if not paths:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     for path in paths:
+        # safe_open maps the file: its pages count in RSS while it is open (file-backed and
+        # reclaimable), but nothing is copied until a tensor is asked for.
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 yield name, f.get_tensor(name)
@@ -59,12 +70,38 @@ def load_model(
     max_positions: int,
     kernels: Kernels | None = None,
 ) -> LlamaForCausalLM:
+    """Build the model for ``model_dir`` with its parameters in ``dtype`` on ``device``.
+
+    Never builds a float32 copy first: the model is constructed on the meta device (no memory,
+    no random init), each parameter is then allocated empty in ``dtype`` on ``device``, and the
+    checkpoint tensors are copied in one at a time (cast on the copy). Peak anonymous memory is
+    about the weights in ``dtype`` plus one checkpoint tensor (the mapped checkpoint file comes
+    on top, as page cache). The rotary tables are computed in float32 on
+    ``device``. A parameter the checkpoint does not provide is an error, never left uninitialised.
+    """
     cfg = read_hf_config(model_dir)
     spec = DecoderSpec.from_hf_config(cfg, architecture_of(cfg))
-    with torch.device(device):
+    with torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, kernels)
-    # Rotary tables stay float32; parameters take the serving dtype.
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    _materialise_empty(model, dtype, device)
+    model.rotary_emb.init_tables(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device after materialising: {left[:8]}")
+    model.load_weights(iter_safetensors(model_dir))  # raises if the checkpoint misses any
     return model.eval()
+
+
+def _materialise_empty(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every (meta) parameter by an uninitialised one of ``dtype`` on ``device``.
+
+    Tied parameters (lm_head sharing the embedding) stay one tensor: each distinct parameter is
+    allocated once. ``Module.to_empty`` would untie them and cannot change the dtype.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in made:
+                empty = torch.empty(param.shape, dtype=dtype, device=device)
+                made[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
+            setattr(module, name, made[id(param)])
