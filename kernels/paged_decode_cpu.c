@@ -44,7 +44,9 @@ static inline void store_bf16(bf16_t* p, float x) {
   *p = (bf16_t)(v.u >> 16);
 }
 
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                              \
+// CONVERT: 1 when T is not float. A block's K and V rows are then converted to float once into
+// a small buffer (L1-resident), instead of once per query head of the group.
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE, CONVERT)                                     \
   void NAME(const T* q, const T* key_cache, const T* value_cache, const int32_t* block_tables, \
             int max_blocks, const int32_t* seq_lens, T* out, int num_reqs, int num_heads,      \
             int num_kv_heads, float scale) {                                                   \
@@ -55,6 +57,8 @@ static inline void store_bf16(bf16_t* p, float x) {
       for (int kh = 0; kh < num_kv_heads; ++kh) {                                              \
         float qv[G][HEAD_DIM] __attribute__((aligned(64)));                                    \
         float acc[G][HEAD_DIM] __attribute__((aligned(64)));                                   \
+        float kf[CONVERT ? BLOCK_SIZE : 1][HEAD_DIM] __attribute__((aligned(64)));             \
+        float vf[CONVERT ? BLOCK_SIZE : 1][HEAD_DIM] __attribute__((aligned(64)));             \
         float m[G], l[G], p[G][BLOCK_SIZE];                                                    \
         for (int g = 0; g < G; ++g) {                                                          \
           const T* qp = q + ((int64_t)b * num_heads + (int64_t)kh * G + g) * HEAD_DIM;         \
@@ -62,7 +66,7 @@ static inline void store_bf16(bf16_t* p, float x) {
             qv[g][d] = LOAD(qp + d) * scale;                                                   \
             acc[g][d] = 0.f;                                                                   \
           }                                                                                    \
-          m[g] = -FLT_MAX;                                                                      \
+          m[g] = -FLT_MAX;                                                                     \
           l[g] = 0.f;                                                                          \
         }                                                                                      \
         const int len = seq_lens[b];                                                           \
@@ -82,12 +86,20 @@ static inline void store_bf16(bf16_t* p, float x) {
                 __builtin_prefetch(value_cache + next + t * row + d, 0, 3);                    \
               }                                                                                \
           }                                                                                    \
+          if (CONVERT)                                                                         \
+            for (int t = 0; t < n; ++t)                                                        \
+              for (int d = 0; d < HEAD_DIM; ++d) {                                             \
+                kf[t][d] = LOAD(kb + t * row + d);                                             \
+                vf[t][d] = LOAD(vb + t * row + d);                                             \
+              }                                                                                \
           for (int g = 0; g < G; ++g) {                                                        \
             float s[BLOCK_SIZE] __attribute__((aligned(64)));                                  \
-            for (int t = 0; t < BLOCK_SIZE; ++t) { /* whole block: unused rows are finite */   \
-              const T* kp = kb + t * row;                                                      \
+            for (int t = 0; t < n; ++t) {                                                      \
               float a = 0.f;                                                                   \
-              for (int d = 0; d < HEAD_DIM; ++d) a += qv[g][d] * LOAD(kp + d);                 \
+              if (CONVERT)                                                                     \
+                for (int d = 0; d < HEAD_DIM; ++d) a += qv[g][d] * kf[t][d];                   \
+              else                                                                             \
+                for (int d = 0; d < HEAD_DIM; ++d) a += qv[g][d] * LOAD(kb + t * row + d);     \
               s[t] = a;                                                                        \
             }                                                                                  \
             float mx = m[g];                                                                   \
@@ -103,9 +115,11 @@ static inline void store_bf16(bf16_t* p, float x) {
             float a2[HEAD_DIM] __attribute__((aligned(64)));                                   \
             for (int d = 0; d < HEAD_DIM; ++d) a2[d] = acc[g][d] * correction;                 \
             for (int t = 0; t < n; ++t) {                                                      \
-              const T* vp = vb + t * row;                                                      \
               const float w = p[g][t];                                                         \
-              for (int d = 0; d < HEAD_DIM; ++d) a2[d] += w * LOAD(vp + d);                    \
+              if (CONVERT)                                                                     \
+                for (int d = 0; d < HEAD_DIM; ++d) a2[d] += w * vf[t][d];                      \
+              else                                                                             \
+                for (int d = 0; d < HEAD_DIM; ++d) a2[d] += w * LOAD(vb + t * row + d);        \
             }                                                                                  \
             for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] = a2[d];                              \
           }                                                                                    \
@@ -119,5 +133,5 @@ static inline void store_bf16(bf16_t* p, float x) {
     }                                                                                          \
   }
 
-DEFINE_PAGED_DECODE(paged_decode_f32, float, load_f32, store_f32)
-DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, load_bf16, store_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, load_f32, store_f32, 0)
+DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, load_bf16, store_bf16, 1)
