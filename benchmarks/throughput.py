@@ -1,12 +1,19 @@
-"""Offline throughput: Tandem's LLM against transformers' generate() with static batching.
+"""Offline throughput: Tandem's LLM against transformers, same model, same requests, one run.
 
-Same random-weight model, same requests (random input and output lengths, ignore_eos), one run:
+Peers: transformers' generate() with static batching (one row per --hf-batch-size) and
+transformers' own continuous batching (``init_continuous_batching``: a paged cache and a scheduler
+in a background thread). Every request is greedy, ignores EOS and asks for its own output length;
+warm-up runs on other prompts and is not timed.
 
     python benchmarks/throughput.py                       # CPU defaults, a few minutes
-    python benchmarks/throughput.py --num-requests 256 --input-len 100 1024 --output-len 100 1024 \
+    python benchmarks/throughput.py --shape llama-h512 --num-requests 64 256 \\
+        --input-len 16 256 --output-len 16 128 --out benchmarks/results/x.json   # issue 10
+    python benchmarks/throughput.py --num-requests 256 --input-len 100 1024 --output-len 100 1024 \\
         --shape qwen3-0.6b --device cuda                   # GPU (issue 4)
 
-Prints a table (output tok/s for each, the ratio, peak memory) and writes JSON to --out.
+Prints one table per request count (elapsed, output tok/s, model FLOP/s as a fraction of torch's
+GEMM FLOP/s on the model's shapes, Tandem's ratio to each peer; see benchmarks/flops.py for the
+counting) and writes JSON with date, machine, command and arguments to --out.
 """
 
 from __future__ import annotations
@@ -18,12 +25,18 @@ import json
 import platform
 import random
 import resource
+import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import GemmRates, measure_gemm_rates, median_rates, run_flops  # noqa: E402
+from hf_peers import Request, blocks_to_hold, run_continuous, run_static  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     # ~25M parameters: fits a 2-core CPU run in minutes.
@@ -76,6 +89,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+SYSTEMS = ("tandem", "hf-static", "hf-cb")
+
+
 def build_model(shape: str, out_dir: Path, dtype: torch.dtype) -> Path:
     import transformers
 
@@ -90,7 +106,7 @@ def build_model(shape: str, out_dir: Path, dtype: torch.dtype) -> Path:
 
 def make_requests(
     n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
-) -> list[tuple[list[int], int]]:
+) -> list[Request]:
     rng = random.Random(seed)
     return [
         (
@@ -105,82 +121,14 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_tandem(
-    model_dir: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace
-) -> dict[str, float]:
-    from engine_svc import LLM, SamplingParams
-
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-    )
-    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    _sync(args.device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    _sync(args.device)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert out_tokens == sum(o for _, o in reqs), "ignore_eos requests must produce max_tokens"
-    result = {
-        "elapsed_s": elapsed,
-        "output_tokens": out_tokens,
-        "output_tok_s": out_tokens / elapsed,
-    }
-    del llm
-    gc.collect()
-    return result
-
-
-@torch.inference_mode()
-def run_transformers(
-    model_dir: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace
-) -> dict[str, float]:
-    """Static batching: fixed batches in arrival order, left-padded, each generating its longest
-    output; only the requested tokens of each request count toward throughput."""
-    from transformers import AutoModelForCausalLM
-
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    if args.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
-    pad = 0
-
-    def run_batch(batch: list[tuple[list[int], int]]) -> None:
-        longest = max(len(p) for p, _ in batch)
-        ids = torch.full((len(batch), longest), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, _) in enumerate(batch):
-            ids[i, longest - len(p) :] = torch.tensor(p)
-            mask[i, longest - len(p) :] = 1
-        new = max(o for _, o in batch)
-        model.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=None,
-        )
-
-    run_batch(reqs[:2])  # warm-up
-    _sync(args.device)
-    start = time.perf_counter()
-    for i in range(0, len(reqs), args.hf_batch_size):
-        run_batch(reqs[i : i + args.hf_batch_size])
-    _sync(args.device)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(o for _, o in reqs)
+def _result(elapsed: float, out_tokens: int) -> dict[str, float]:
     return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed}
+
+
+def _torch_dtype(args: argparse.Namespace) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if args.device == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
 
 
 def _sync(device: str) -> None:
@@ -188,75 +136,219 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def run_tandem(
+    model_dir: Path,
+    reqs: list[Request],
+    warm: list[Request],
+    args: argparse.Namespace,
+    max_num_seqs: int,
+) -> dict[str, float]:
+    from engine_svc import LLM, SamplingParams
+
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=(
+            None
+            if args.kv_cache_memory
+            else blocks_to_hold(reqs + warm, args.block_size) + 2 * max_num_seqs
+        ),
+        block_size=args.block_size,
+    )
+
+    def generate(batch: list[Request], use_tqdm: bool) -> int:
+        prompts = [{"prompt_token_ids": p} for p, _ in batch]
+        params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in batch]
+        outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    generate(warm, use_tqdm=False)
+    _sync(args.device)
+    start = time.perf_counter()
+    out_tokens = generate(reqs, use_tqdm=args.progress)
+    _sync(args.device)
+    elapsed = time.perf_counter() - start
+    assert out_tokens == sum(o for _, o in reqs), "ignore_eos requests must produce max_tokens"
+    return _result(elapsed, out_tokens)
+
+
+def run_count(n: int, model_dir: Path, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on the same ``n`` requests, with torch's GEMM rates measured before the
+    first and after each (the machine's speed drifts: the median is used)."""
+    cfg = SHAPES[args.shape]
+    reqs = make_requests(n, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+    # warm-up on other prompts: nothing the timed run could find in a prefix cache
+    warm = make_requests(2, tuple(args.input_len), (8, 8), vocab, args.seed + 1)
+    max_num_seqs = args.max_num_seqs or n
+    dtype = _torch_dtype(args)
+    out_tokens = sum(o for _, o in reqs)
+
+    def gemm() -> GemmRates:
+        return measure_gemm_rates(
+            cfg, args.max_num_batched_tokens, min(n, max_num_seqs), dtype, args.device
+        )
+
+    gemm_samples = [gemm()]
+    systems: dict[str, dict[str, float]] = {}
+
+    def record(name: str, result: dict[str, float]) -> None:
+        gc.collect()  # the system's model and cache go before the next one loads
+        result["peak_rss_mib"] = peak_rss_mib()
+        systems[name] = result
+        print(f"{name}: {result}", flush=True)
+        gemm_samples.append(gemm())
+
+    if "tandem" in args.systems:
+        record("tandem LLM", run_tandem(model_dir, reqs, warm, args, max_num_seqs))
+    if "hf-static" in args.systems:
+        for b in args.hf_batch_size:
+            elapsed = run_static(
+                model_dir, reqs, warm, dtype=dtype, device=args.device, batch_size=b
+            )
+            record(f"transformers static b{b}", _result(elapsed, out_tokens))
+    if "hf-cb" in args.systems:
+        elapsed = run_continuous(
+            model_dir,
+            reqs,
+            warm,
+            dtype=dtype,
+            device=args.device,
+            max_num_seqs=max_num_seqs,
+            max_batch_tokens=args.max_num_batched_tokens,
+        )
+        record("transformers CB", _result(elapsed, out_tokens))
+
+    flops = run_flops(cfg, [len(p) for p, _ in reqs], [o for _, o in reqs])
+    rates = median_rates(gemm_samples)
+    bound_s = rates.bound_seconds(flops)
+    for r in systems.values():
+        r["model_flops_per_s"] = flops.total / r["elapsed_s"]
+        r["fraction_of_gemm"] = bound_s / r["elapsed_s"]
+    tandem = systems.get("tandem LLM")
+    return {
+        "num_requests": n,
+        "max_num_seqs": max_num_seqs,
+        "input_tokens": sum(len(p) for p, _ in reqs),
+        "output_tokens": sum(o for _, o in reqs),
+        "systems": systems,
+        "tandem_ratio": {
+            name: tandem["output_tok_s"] / r["output_tok_s"]
+            for name, r in systems.items()
+            if tandem and r is not tandem
+        },
+        "model_flops": {**vars(flops), "total": flops.total},
+        "gemm": {
+            "samples": [vars(s) for s in gemm_samples],
+            "median": vars(rates),
+            "run_mix_flops_per_s": rates.effective_flops_per_s(flops),
+            "bound_s": bound_s,
+        },
+    }
+
+
+def print_table(run: dict[str, Any], args: argparse.Namespace) -> None:
+    f, g = run["model_flops"], run["gemm"]
+    print()
+    print(
+        f"shape={args.shape} requests={run['num_requests']} input={list(args.input_len)} "
+        f"output={list(args.output_len)} device={args.device} dtype={args.dtype} "
+        f"threads={torch.get_num_threads()} max_num_seqs={run['max_num_seqs']} "
+        f"token_budget={args.max_num_batched_tokens}"
+    )
+    print(
+        f"{'system':<26}{'elapsed s':>11}{'out tokens':>12}{'out tok/s':>11}"
+        f"{'GFLOP/s':>10}{'of GEMM':>9}{'tandem x':>10}"
+    )
+    for name, r in run["systems"].items():
+        ratio = run["tandem_ratio"].get(name)
+        print(
+            f"{name:<26}{r['elapsed_s']:>11.2f}{r['output_tokens']:>12}{r['output_tok_s']:>11.1f}"
+            f"{r['model_flops_per_s'] / 1e9:>10.1f}{r['fraction_of_gemm']:>9.1%}"
+            f"{'-' if ratio is None else f'{ratio:.2f}x':>10}"
+        )
+    m = g["median"]
+    print(
+        f"model FLOPs {f['total'] / 1e9:.1f} G = 2 x {f['body_params'] / 1e6:.2f}M body params x "
+        f"{f['prompt_rows'] + f['decode_rows']} rows + 2 x {f['lm_head_params'] / 1e6:.2f}M "
+        f"lm_head x {f['logit_rows']} logit rows"
+    )
+    print(
+        f"torch GEMM GFLOP/s (median of {len(g['samples'])}): "
+        f"{m['prefill_flops_per_s'] / 1e9:.1f} at "
+        f"{m['prefill_tokens']} prefill rows, {m['decode_flops_per_s'] / 1e9:.1f} at "
+        f"{m['decode_batch']} decode rows; {g['run_mix_flops_per_s'] / 1e9:.1f} for this run's mix "
+        f"(GEMM-only time {g['bound_s']:.2f} s)"
+    )
+    spread = [s["decode_flops_per_s"] / 1e9 for s in g["samples"]]
+    print(
+        f"decode GEMM samples {min(spread):.1f}..{max(spread):.1f} GFLOP/s"
+        + (
+            "  (> 20 % apart: the machine was busy; run again)"
+            if max(spread) > 1.2 * min(spread)
+            else ""
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-25m")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[64], help="one table each")
     ap.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
     ap.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default: the number of requests"
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory", default=None)
-    ap.add_argument("--hf-batch-size", type=int, default=64, help="default: same as --max-num-seqs")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--kv-cache-memory", default=None, help="default: a cache that holds every request"
+    )
+    ap.add_argument("--hf-batch-size", type=int, nargs="+", default=[16, 64])
+    ap.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run"
+    )
+    ap.add_argument("--skip-hf", action="store_true", help="same as --systems tandem")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--progress", action="store_true", help="Tandem's progress bar")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.skip_hf:
+        args.systems = ["tandem"]
 
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.shape, Path(tmp) / args.shape, torch.float32)
         vocab = SHAPES[args.shape]["vocab_size"]
-        reqs = make_requests(
-            args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed
-        )
-        rss0 = peak_rss_mib()
-        tandem = run_tandem(model_dir, reqs, args)
-        print(f"tandem: {tandem}", flush=True)
-        rss_tandem = peak_rss_mib()
-        hf = None if args.skip_hf else run_transformers(model_dir, reqs, args)
-        rss_hf = peak_rss_mib()
-
-    rows = [("tandem LLM", tandem)] + ([("transformers generate", hf)] if hf else [])
-    print()
-    print(
-        f"shape={args.shape} requests={args.num_requests} input={args.input_len} "
-        f"output={args.output_len} "
-        f"device={args.device} threads={torch.get_num_threads()} hf_batch={args.hf_batch_size}"
-    )
-    print(f"{'system':<24}{'elapsed s':>12}{'out tokens':>12}{'out tok/s':>12}")
-    for name, r in rows:
-        print(
-            f"{name:<24}{r['elapsed_s']:>12.2f}{r['output_tokens']:>12}{r['output_tok_s']:>12.1f}"
-        )
-    if hf:
-        print(f"ratio tandem / transformers: {tandem['output_tok_s'] / hf['output_tok_s']:.2f}x")
-    print(
-        f"peak RSS MiB: start {rss0:.0f}, after tandem {rss_tandem:.0f}, "
-        f"after transformers {rss_hf:.0f}"
-    )
+        for n in args.num_requests:
+            runs.append(run_count(n, model_dir, vocab, args))
+    for run in runs:
+        print_table(run, args)
     if args.device == "cuda":
         print(f"peak CUDA memory GiB: {torch.cuda.max_memory_allocated() / 2**30:.2f}")
     if args.out:
+        import transformers
+
         record = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-            "args": {
-                k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in vars(args).items()
-                if k != "out"
-            },
-            "tandem": tandem,
-            "transformers": hf,
-            "ratio": tandem["output_tok_s"] / hf["output_tok_s"] if hf else None,
-            "peak_rss_mib": {"tandem": rss_tandem, "transformers": rss_hf},
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "threads": torch.get_num_threads(),
+            "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+            "runs": runs,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2, default=str))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
