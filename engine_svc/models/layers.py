@@ -11,6 +11,7 @@ from torch import nn
 from kernels import reference_norm_rope
 from kernels.attention_backends import AttentionBackend, RmsNorm
 from kernels.attention_metadata import AttentionMetadata
+from kernels.reference_norm_rope import rotate_neox
 
 
 class RMSNorm(nn.Module):
@@ -101,19 +102,29 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` for :meth:`rotate`: [T, 1, rot_dim / 2] in ``dtype``.
+
+        The model looks them up once per forward and every layer uses them (the tables repeat
+        their first half, so half is all the rotation needs)."""
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions, :half].to(dtype).unsqueeze(1)
+        sin = self.sin[positions, :half].to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D] (new tensors; the inputs are left alone)."""
+        cos, sin = cos_sin
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return self.rotate(q, k, self.lookup(positions, q.dtype))
 
 
 class PagedAttention(nn.Module):

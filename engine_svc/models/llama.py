@@ -26,6 +26,7 @@ from kernels.attention_backends import Kernels, TorchAttention
 from kernels.attention_metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+CosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.lookup: once per forward
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, rope: CosSin, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.rotate(q, k, rope)
         out = self.attn(q, k, v, kv, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -138,14 +139,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: CosSin,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv, meta)
+        x = self.self_attn(rope, x, kv, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -194,9 +195,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per scheduled token."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv, meta)
+            x, residual = layer(rope, x, residual, kv, meta)
         x, _ = self.norm(x, residual)
         return x
 
