@@ -49,6 +49,61 @@ def test_decode_kernel_matches_the_reference(
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
 
 
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("num_reqs", [2, 40], ids=["task-per-kv-head", "task-per-request"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_builds_and_both_task_splits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, build: str, num_reqs: int, dtype: torch.dtype
+) -> None:
+    """The AVX-512 block step (where the CPU has it) and the portable loops, with a task per
+    request's KV head (few requests) and a task per request (enough to fill every thread)."""
+    if build == "portable":
+        if not _has_avx512():
+            pytest.skip("the native build is already the portable one on this CPU")
+        monkeypatch.setattr(cpu, "FLAGS", (*cpu.FLAGS, "-mno-avx512f"))
+    cpu.library.cache_clear()
+    lengths = [(7 * i + 1) % 70 + 1 for i in range(num_reqs)]
+    case = make_case([1] * num_reqs, lengths, 8, 2, 64, dtype, device="cpu")
+    meta = case.meta
+    want = reference.paged_attention(case.query, case.key_cache, case.value_cache, meta, case.scale)
+    case.poison_unused_slots()
+    try:
+        lib = cpu_ops.load(64, 16, tmp_path)
+        for threads in (1, 2):  # the split depends on the thread count
+            with torch_threads(threads):
+                got = cpu_ops.paged_decode(
+                    lib,
+                    case.query,
+                    case.key_cache,
+                    case.value_cache,
+                    meta.block_tables.to(torch.int32).contiguous(),
+                    meta.seq_lens.to(torch.int32),
+                    case.scale,
+                )
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+    finally:
+        cpu.library.cache_clear()
+
+
+class torch_threads:  # noqa: N801 - used like a function
+    def __init__(self, n: int) -> None:
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_other_block_sizes(cache_dir: Path, block_size: int) -> None:
     lengths = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
