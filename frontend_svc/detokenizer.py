@@ -51,7 +51,12 @@ class IncrementalDetokenizer:
         tail = self._kept(prompt_token_ids[-INITIAL_PREFIX_TOKENS:])
         self._window: list[int] = tail  # the ids from prefix_offset on
         self._read_offset = len(tail)  # into the window: decode(window[:read]) was emitted
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     @property
     def window_size(self) -> int:
@@ -85,5 +90,5 @@ class IncrementalDetokenizer:
         # The new prefix_offset is the old read_offset; the new read_offset is the end.
         del self._window[: self._read_offset]
         self._read_offset = len(self._window)
-        self.text += delta
+        self._pieces.append(delta)
         return delta

@@ -1,11 +1,13 @@
 """The gateway's side of the engine contract: the only module that imports the generated stubs.
 
 One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
-request gets its own asyncio queue; the engine's per-step ``EngineCoreOutputs`` are split by
-request id into those queues. A consumer that goes away (its generator is closed) makes the
-client send an abort. When the stream breaks, every in-flight request gets an
-:class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
-fetching model info and the tokenizer again before it reports itself connected.
+request gets its own :class:`~frontend_svc.output_collector.OutputCollector`; the engine's
+per-step ``EngineCoreOutputs`` are split by request id into those collectors (a consumer that
+falls behind takes several steps' outputs merged into one). A consumer that goes away (its
+generator is closed) makes the client send an abort. When the stream breaks, every in-flight
+request gets an :class:`EngineUnavailableError` at once and the client reconnects with
+exponential backoff, fetching model info and the tokenizer again before it reports itself
+connected.
 
 Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
 drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
@@ -35,6 +37,7 @@ from frontend_svc.engine_types import (
     TokenizerFiles,
     TokenLogprob,
 )
+from frontend_svc.output_collector import OutputCollector
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -42,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
 OnLoad = Callable[[LoadFigures], None]
-_QueueItem = EngineOutput | Exception
 
 _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -83,7 +85,7 @@ class EngineClient:
         self._on_connect = on_connect
         self._on_load = on_load
         self._on_disconnect = on_disconnect
-        self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
+        self._collectors: dict[str, OutputCollector] = {}
         self._outbox: asyncio.Queue[pb.EngineCoreRequest | None] | None = None
         self._epoch = 0  # bumped on every (re)connection; requests remember theirs
         self._connected = asyncio.Event()
@@ -129,7 +131,7 @@ class EngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._collectors)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -144,25 +146,26 @@ class EngineClient:
         if outbox is None or not self.connected:
             raise EngineUnavailableError(self._unavailable_reason())
         rid = request.request_id
-        if rid in self._queues:
+        if rid in self._collectors:
             raise ValueError(f"request id {rid!r} is already in flight")
-        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        collector = OutputCollector()
         epoch = self._epoch
-        self._queues[rid] = queue
+        self._collectors[rid] = collector
         outbox.put_nowait(pb.EngineCoreRequest(add=_add_request(request)))
         done = False
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
+                try:
+                    item = await collector.get()
+                except Exception:
                     done = True
-                    raise item
+                    raise
                 yield item
                 if item.finished:
                     done = True
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._collectors.pop(rid, None)
             if not done and epoch == self._epoch and self._outbox is not None:
                 self._outbox.put_nowait(
                     pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=[rid]))
@@ -279,20 +282,21 @@ class EngineClient:
     def _dispatch(self, message: pb.EngineCoreOutputs) -> None:
         if message.HasField("load") and self._on_load is not None:
             self._on_load(_load(message.load))
+        collectors = self._collectors
         for out in message.outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(_output(out))
+            collector = collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(_output(out))
         for err in message.errors:
-            queue = self._queues.get(err.request_id)
-            if queue is not None:
+            collector = collectors.get(err.request_id)
+            if collector is not None:
                 code = _ERROR_CODES.get(err.code, EngineErrorCode.INTERNAL)
-                queue.put_nowait(EngineRequestError(code, err.message))
+                collector.fail(EngineRequestError(code, err.message))
 
     def _fail_in_flight(self, reason: str) -> None:
         error = EngineUnavailableError(f"lost the engine connection: {reason}")
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for collector in self._collectors.values():
+            collector.fail(error)
 
     def _unavailable_reason(self) -> str:
         detail = f": {self.last_error}" if self.last_error else ""

@@ -2,6 +2,7 @@
 
 Each sequence is one engine request. Their deltas are merged in arrival order; closing the merged
 stream cancels every sequence, which closes its engine generator and so aborts it on the engine.
+A call with one sequence streams it directly, with no merge task or queue.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def generate(
                 min_tokens=options.min_tokens,
             )
             streams.append(_run_sequence(state.engines, engine_request, processor, state.metrics))
-    return merge(streams)
+    # One sequence (n=1, one prompt: nearly every call) is its own stream: no merge task.
+    return streams[0] if len(streams) == 1 else merge(streams)
 
 
 async def _run_sequence(

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
-DONE_EVENT = "data: [DONE]\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -27,16 +27,23 @@ class ClientDisconnected(Exception):
 
 
 # Code points that JSON leaves raw but that many line splitters (Python's str.splitlines, and
-# so httpx's iter_lines) treat as line ends: a generated token holding one would cut an event
-# in two. Escaped, the JSON means the same and every SSE line is whole.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+# so httpx's iter_lines) treat as line ends, as UTF-8: a generated token holding one would cut
+# an event in two. Escaped, the JSON means the same and every SSE line is whole.
+_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
 
 
-def sse_event(payload: dict[str, Any]) -> str:
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One ``data:`` event, encoded once (orjson: UTF-8 bytes, ~10x json.dumps on chunks)."""
+    data = orjson.dumps(payload)
     if not data.isascii():
-        data = data.translate(_LINE_BREAKS)
-    return f"data: {data}\n\n"
+        for raw, escaped in _LINE_BREAKS:
+            if raw in data:
+                data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -65,7 +72,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 class SSEResponse(Response):
     """A ``text/event-stream`` response that closes its event source on client disconnect."""
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self._events = events
         self._extra_headers = headers or {}
@@ -81,9 +88,7 @@ class SSEResponse(Response):
         async def pump() -> None:
             async with contextlib.aclosing(self._events):  # type: ignore[type-var]
                 async for event in self._events:
-                    await send(
-                        {"type": "http.response.body", "body": event.encode(), "more_body": True}
-                    )
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         pump_task = asyncio.create_task(pump())

@@ -11,7 +11,7 @@ held back (vLLM searches from ``len(stop) - 1`` characters before the new text):
     text      u u u u u a b | s t
                   ^emitted  ^armed_from
     a match must end after armed_from, so it starts at or after armed_from - len(stop) + 1,
-    and never before emitted: text already emitted is never cut.
+    and never before emitted: text already emitted is never cut (nor kept).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ class StopStringMatcher:
     def __init__(self, stops: Sequence[str], include_stop_in_output: bool = False) -> None:
         self._stops = [s for s in stops if s]
         self._include = include_stop_in_output
-        self._text = ""
-        self._emitted = 0  # self._text[:self._emitted] has been returned
-        self._armed_from = 0  # a stop string counts only if it ends after this offset
+        # Only the text not emitted yet is kept (a match never starts in emitted text), so a
+        # feed costs what was fed plus at most the longest stop string, however long the output.
+        self._pending = ""
+        self._armed_from = 0  # into _pending: a stop string counts only if it ends after this
 
     def feed(self, delta: str, final: bool = False, armed: bool = True) -> StopMatch:
         """Add ``delta``. With ``final`` nothing is held back (the sequence ended anyway).
@@ -45,39 +46,34 @@ class StopStringMatcher:
         that ends within this delta; a partial stop at the end is still held back, as it may be
         completed by armed text later.
         """
-        self._text += delta
         if not self._stops:
-            return self._emit(len(self._text))
+            return StopMatch(delta)
+        self._pending += delta
         if not armed:
-            self._armed_from = len(self._text)
+            self._armed_from = len(self._pending)
         else:
             best: tuple[int, str] | None = None
             for stop in self._stops:
-                start = max(self._emitted, self._armed_from - len(stop) + 1)
-                i = self._text.find(stop, start)
+                i = self._pending.find(stop, max(0, self._armed_from - len(stop) + 1))
                 if i != -1 and (best is None or i < best[0]):
                     best = (i, stop)
             if best is not None:
                 i, stop = best
-                end = i + len(stop) if self._include else i
-                return StopMatch(self._emit(end).text, stop)
+                return StopMatch(self._emit(i + len(stop) if self._include else i), stop)
         if final:
-            return self._emit(len(self._text))
-        return self._emit(len(self._text) - self._partial_suffix_len())
+            return StopMatch(self._emit(len(self._pending)))
+        return StopMatch(self._emit(len(self._pending) - self._partial_suffix_len()))
 
     def _partial_suffix_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        longest = 0
-        tail_from = max(self._emitted, len(self._text) - max(len(s) for s in self._stops) + 1)
-        for start in range(tail_from, len(self._text)):
-            suffix = self._text[start:]
+        text = self._pending
+        for start in range(max(0, len(text) - max(len(s) for s in self._stops) + 1), len(text)):
+            suffix = text[start:]
             if any(s.startswith(suffix) for s in self._stops):
-                longest = len(self._text) - start
-                break  # the earliest start gives the longest suffix
-        return longest
+                return len(text) - start  # the earliest start gives the longest suffix
+        return 0
 
-    def _emit(self, end: int) -> StopMatch:
-        end = max(end, self._emitted)
-        out = self._text[self._emitted : end]
-        self._emitted = end
-        return StopMatch(out)
+    def _emit(self, end: int) -> str:
+        out, self._pending = self._pending[:end], self._pending[end:]
+        self._armed_from -= end
+        return out

@@ -81,9 +81,10 @@ class InFlight:
         return len(self._count)
 
 
-# What a Stream's inbox carries: a message with the request ids that end in it, a _Close, or
-# None when the client half-closed.
-_StreamItem = tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
+# What a Stream's inbox carries: an engine step's batch for this client, a message built here
+# with the request ids that end in it (a refused request), a _Close, or None when the client
+# half-closed.
+_StreamItem = ClientBatch | tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
 
 
 class EngineServicer(pb_grpc.EngineServicer):
@@ -127,11 +128,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         inbox: asyncio.Queue[_StreamItem] = asyncio.Queue()
 
         def sink(batch: ClientBatch) -> None:
-            # Runs on the engine loop thread. The ids that end here travel with the message, so
-            # this handler counts them itself (see ``in_flight`` below).
-            ended = [o.request_id for o in batch.outputs if o.finished]
-            ended += [rid for rid, _ in batch.errors]
-            aio_loop.call_soon_threadsafe(inbox.put_nowait, (_batch_to_pb(batch), ended))
+            # Runs on the engine loop thread: only a hand-off. The message is built on this
+            # call's event loop, so the engine loop goes on to its next step at once.
+            aio_loop.call_soon_threadsafe(inbox.put_nowait, batch)
 
         self.loop.register(client, sink)
         self._open_calls.add(inbox)
@@ -176,8 +175,15 @@ class EngineServicer(pb_grpc.EngineServicer):
                         logger.warning("stream %s: %s; closing it", client, item.details)
                     await context.abort(item.code, item.details)
                     return  # abort() raises; this only tells type checkers
-                message, ended = item
-                in_flight.end(ended)
+                if isinstance(item, ClientBatch):
+                    # The ids that end here travel with the message, so this handler counts
+                    # them itself (see ``in_flight`` above).
+                    message = _batch_to_pb(item)
+                    in_flight.end([o.request_id for o in item.outputs if o.finished])
+                    in_flight.end([rid for rid, _ in item.errors])
+                else:
+                    message, ended = item
+                    in_flight.end(ended)
                 yield message
         finally:
             self._open_calls.discard(inbox)

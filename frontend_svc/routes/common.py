@@ -106,7 +106,7 @@ async def stream_sse(
     except StopAsyncIteration:
         first = None
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         usage = UsageCounter()
         try:
             if first is not None:

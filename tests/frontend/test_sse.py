@@ -14,7 +14,7 @@ AWKWARD = "a\x85b\u2028c\u2029d\x1ce\x1df\x1eg\nh\ri\x0bj\x0ck é ☕"
 
 
 def test_an_event_is_one_line_for_str_splitlines() -> None:
-    event = sse_event({"text": AWKWARD})
+    event = sse_event({"text": AWKWARD}).decode()
     lines = [line for line in event.splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0].removeprefix("data: ")) == {"text": AWKWARD}
@@ -23,6 +23,6 @@ def test_an_event_is_one_line_for_str_splitlines() -> None:
 
 def test_an_event_is_one_line_for_httpx_iter_lines() -> None:
     events = sse_event({"text": AWKWARD}) + sse_event({"text": "next"})
-    response = httpx.Response(200, content=events.encode())
+    response = httpx.Response(200, content=events)
     data = [line for line in response.iter_lines() if line]
     assert [json.loads(d.removeprefix("data: "))["text"] for d in data] == [AWKWARD, "next"]

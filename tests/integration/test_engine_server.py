@@ -18,11 +18,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as refl
 
+from engine_svc.engine_loop import ClientBatch, EngineLoop
 from engine_svc.rpc import servicer as servicer_module
 from engine_svc.rpc.server import SERVER_OPTIONS, _add_port
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
-from tests.integration.grpc_util import add_request, generate, tokens_of
+from tests.integration.grpc_util import StreamSession, add_request, generate, tokens_of
 from tests.integration.harness import Engine, Gateway, child_env
 from tests.integration.inprocess import InProcessEngine, start_stallable, tiny_core
 
@@ -160,18 +161,44 @@ def test_reflection(engine: Engine, version: str) -> None:
 @pytest.fixture()
 def slow_final_delivery(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Widen the window between the engine loop forgetting a finished request and its final
-    output reaching the stream: sleep while converting a batch that finishes a request."""
+    output reaching the stream: sleep before handing over a batch that finishes a request."""
     routed = threading.Event()
-    original = servicer_module._batch_to_pb
+    original = EngineLoop._deliver
 
-    def slow(batch):  # type: ignore[no-untyped-def]
-        if any(o.finished for o in batch.outputs):
+    def slow(self: EngineLoop, batches: dict[str, ClientBatch]) -> None:
+        if any(o.finished for b in batches.values() for o in b.outputs):
             routed.set()
             time.sleep(0.5)
+        original(self, batches)
+
+    monkeypatch.setattr(EngineLoop, "_deliver", slow)
+    return routed
+
+
+def test_stream_messages_are_built_off_the_engine_loop_thread(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine loop only hands a step's outputs over; protobuf is built on the server's
+    event loop, so the loop goes on to its next step at once."""
+    threads: list[str] = []
+    original = servicer_module._batch_to_pb
+
+    def recording(batch: ClientBatch) -> pb.EngineCoreOutputs:
+        threads.append(threading.current_thread().name)
         return original(batch)
 
-    monkeypatch.setattr(servicer_module, "_batch_to_pb", slow)
-    return routed
+    monkeypatch.setattr(servicer_module, "_batch_to_pb", recording)
+    server = InProcessEngine(lambda: tiny_core(tiny_models["llama"])).start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            session = StreamSession(pb_grpc.EngineStub(ch))
+            session.add(add_request("a", PROMPT, 4))
+            session.half_close()
+            outputs = [o for m in session for o in m.outputs]
+        assert [len(o.new_token_ids) for o in outputs] == [1, 1, 1, 1]
+        assert len(threads) == 4 and "engine-loop" not in threads, threads
+    finally:
+        server.stop()
 
 
 def test_half_closed_stream_gets_its_last_output(

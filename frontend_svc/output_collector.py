@@ -1,0 +1,77 @@
+"""One request's engine outputs, handed from the engine-stream reader to the request's consumer.
+
+The reader (``EngineClient._dispatch``, on the gateway's event loop) calls :meth:`put` for every
+output and :meth:`fail` when the request fails; the consumer awaits :meth:`get`, which returns
+everything that arrived since its previous call merged into one output. A client slower than the
+engine therefore gets fewer, larger deltas instead of a backlog that grows with every step
+(vLLM's ``RequestOutputCollector``), and a consumer that keeps up takes each output without a
+queue or a task in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from frontend_svc.engine_types import EngineOutput, TokenLogprob
+
+
+class OutputCollector:
+    __slots__ = ("_pending", "_error", "_waiter")
+
+    def __init__(self) -> None:
+        self._pending: list[EngineOutput] = []
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, output: EngineOutput) -> None:
+        self._pending.append(output)
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        """The request failed: :meth:`get` raises ``error`` once the outputs before it are taken."""
+        if self._error is None:
+            self._error = error
+        self._wake()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    async def get(self) -> EngineOutput:
+        """The outputs since the last call, merged; waits when there are none."""
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        pending, self._pending = self._pending, []
+        return pending[0] if len(pending) == 1 else merge_outputs(pending)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+def merge_outputs(outputs: list[EngineOutput]) -> EngineOutput:
+    """Consecutive outputs of one request as one: tokens and logprobs in order, the prompt
+    logprobs of the first, the finish reason and figures of the last."""
+    first, last = outputs[0], outputs[-1]
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    for o in outputs:
+        token_ids += o.new_token_ids
+        logprobs += o.logprobs
+    return EngineOutput(
+        request_id=first.request_id,
+        new_token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
+        prompt_logprobs=first.prompt_logprobs,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_cached_tokens=max(o.num_cached_tokens for o in outputs),
+        num_prompt_tokens=last.num_prompt_tokens or first.num_prompt_tokens,
+    )

@@ -1,0 +1,105 @@
+"""The per-request collector between the engine-stream reader and the request's consumer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from frontend_svc.engine_types import (
+    EngineErrorCode,
+    EngineOutput,
+    EngineRequestError,
+    FinishReason,
+    TokenLogprob,
+)
+from frontend_svc.output_collector import OutputCollector, merge_outputs
+
+
+def _out(ids: tuple[int, ...], **kw: object) -> EngineOutput:
+    lps = tuple(TokenLogprob(t, -float(t), 1, ()) for t in ids)
+    return EngineOutput("r", ids, lps, **kw)  # type: ignore[arg-type]
+
+
+def test_a_consumer_that_keeps_up_gets_each_output_as_it_is() -> None:
+    asyncio.run(_a_consumer_that_keeps_up_gets_each_output_as_it_is())
+
+
+async def _a_consumer_that_keeps_up_gets_each_output_as_it_is() -> None:
+    c = OutputCollector()
+    first = _out((1,), num_prompt_tokens=3)
+    c.put(first)
+    assert await c.get() is first  # no copy, no merge
+    waiting = asyncio.ensure_future(c.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    second = _out((2,))
+    c.put(second)
+    assert await asyncio.wait_for(waiting, 1) is second
+
+
+def test_a_slow_consumer_gets_the_backlog_merged_into_one_output() -> None:
+    asyncio.run(_a_slow_consumer_gets_the_backlog_merged_into_one_output())
+
+
+async def _a_slow_consumer_gets_the_backlog_merged_into_one_output() -> None:
+    c = OutputCollector()
+    prompt_lps = (TokenLogprob(7, -0.5, 1, ()),)
+    c.put(_out((1,), prompt_logprobs=prompt_lps, num_cached_tokens=4, num_prompt_tokens=9))
+    c.put(_out((2, 3), num_cached_tokens=4, num_prompt_tokens=9))
+    c.put(_out((4,), finish_reason=FinishReason.LENGTH, stop_reason=None, num_prompt_tokens=9))
+    assert c.num_pending == 3
+    merged = await c.get()
+    assert c.num_pending == 0
+    assert merged.new_token_ids == (1, 2, 3, 4)
+    assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3, 4]
+    assert merged.prompt_logprobs == prompt_lps
+    assert merged.finish_reason is FinishReason.LENGTH and merged.finished
+    assert merged.num_cached_tokens == 4 and merged.num_prompt_tokens == 9
+
+
+def test_merge_keeps_the_last_stop_reason() -> None:
+    merged = merge_outputs([_out((5,)), _out((6,), finish_reason=FinishReason.STOP, stop_reason=6)])
+    assert merged.finish_reason is FinishReason.STOP and merged.stop_reason == 6
+
+
+def test_an_error_comes_after_the_outputs_before_it() -> None:
+    asyncio.run(_an_error_comes_after_the_outputs_before_it())
+
+
+async def _an_error_comes_after_the_outputs_before_it() -> None:
+    c = OutputCollector()
+    c.put(_out((1,)))
+    c.fail(EngineRequestError(EngineErrorCode.INTERNAL, "boom"))
+    c.fail(EngineRequestError(EngineErrorCode.INTERNAL, "second: ignored"))
+    assert (await c.get()).new_token_ids == (1,)
+    with pytest.raises(EngineRequestError, match="boom"):
+        await c.get()
+
+
+def test_a_failure_wakes_a_waiting_consumer() -> None:
+    asyncio.run(_a_failure_wakes_a_waiting_consumer())
+
+
+async def _a_failure_wakes_a_waiting_consumer() -> None:
+    c = OutputCollector()
+    waiting = asyncio.ensure_future(c.get())
+    await asyncio.sleep(0)
+    c.fail(EngineRequestError(EngineErrorCode.UNAVAILABLE, "gone"))
+    with pytest.raises(EngineRequestError, match="gone"):
+        await asyncio.wait_for(waiting, 1)
+
+
+def test_a_cancelled_consumer_leaves_the_collector_usable() -> None:
+    asyncio.run(_a_cancelled_consumer_leaves_the_collector_usable())
+
+
+async def _a_cancelled_consumer_leaves_the_collector_usable() -> None:
+    c = OutputCollector()
+    waiting = asyncio.ensure_future(c.get())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    c.put(_out((3,)))  # no waiter left to wake: nothing raises
+    assert (await c.get()).new_token_ids == (3,)
