@@ -1,16 +1,23 @@
 """Gateway configuration: command-line flags with defaults from ``TANDEM_*`` environment variables.
 
-This is the only module of the gateway that reads the environment.
+This is the only module of the gateway that reads the environment. Besides the flags' variables it
+reads the two that a ``--workers`` supervisor (``frontend_svc.workers``) sets for its workers: the
+config it parsed, and where the workers share their Prometheus figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 ENV_PREFIX = "TANDEM_"
+WORKER_CONFIG_ENV = ENV_PREFIX + "WORKER_CONFIG"  # not a flag: the config, supervisor -> workers
+# prometheus_client's own name; it reads it too, when first imported, to keep figures in files.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,11 @@ class FrontendConfig:
     tls: TlsClientConfig = TlsClientConfig()
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
+    workers: int = 1  # gateway processes sharing the port, each with its own engine streams
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("--workers must be >= 1")
 
 
 def _env(environ: Mapping[str, str], name: str, default: str | None) -> str | None:
@@ -197,6 +209,13 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         default=int(_env(env, "TOKENIZER_THREADS", "") or d.limits.tokenizer_threads),
         help="threads that tokenize big prompts off the event loop (env TANDEM_TOKENIZER_THREADS)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=_env(env, "WORKERS", str(d.workers)),  # a string default goes through type=int
+        help="gateway processes serving the one port, each with its own engine streams; with "
+        "more than one, a supervisor restarts any that dies (env TANDEM_WORKERS)",
+    )
     p.add_argument("--log-level", default=_env(env, "LOG_LEVEL", d.log_level))
     return p
 
@@ -216,18 +235,51 @@ def config_from_args(
             args.prefix_affinity_max_imbalance,
         )
         limits = LimitsConfig(args.max_body_bytes, args.max_header_bytes, args.tokenizer_threads)
+        return FrontendConfig(
+            engine_address=args.engine,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or None,
+            served_model_name=args.served_model_name or None,
+            backoff=BackoffConfig(initial_s=initial, max_s=args.reconnect_max_s),
+            retry_after_s=args.retry_after_s,
+            log_level=args.log_level,
+            tls=tls,
+            routing=routing,
+            limits=limits,
+            workers=args.workers,
+        )
     except ValueError as e:
         parser.error(str(e))
+
+
+def config_to_json(config: FrontendConfig) -> str:
+    """The config as JSON, for :func:`config_from_json` in another process."""
+    return json.dumps(dataclasses.asdict(config))
+
+
+def config_from_json(text: str) -> FrontendConfig:
+    """The config :func:`config_to_json` wrote."""
+    fields = json.loads(text)
     return FrontendConfig(
-        engine_address=args.engine,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name or None,
-        backoff=BackoffConfig(initial_s=initial, max_s=args.reconnect_max_s),
-        retry_after_s=args.retry_after_s,
-        log_level=args.log_level,
-        tls=tls,
-        routing=routing,
-        limits=limits,
+        **{
+            **fields,
+            "backoff": BackoffConfig(**fields["backoff"]),
+            "tls": TlsClientConfig(**fields["tls"]),
+            "routing": RoutingConfig(**fields["routing"]),
+            "limits": LimitsConfig(**fields["limits"]),
+        }
     )
+
+
+def handed_down_config(environ: Mapping[str, str] | None = None) -> FrontendConfig:
+    """In a worker process: the config its supervisor parsed and handed down."""
+    env = os.environ if environ is None else environ
+    return config_from_json(env[WORKER_CONFIG_ENV])
+
+
+def shared_metrics_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where this worker and its siblings keep their Prometheus figures (set by their
+    supervisor); None when the process serves alone."""
+    env = os.environ if environ is None else environ
+    return env.get(METRICS_DIR_ENV) or None

@@ -3,16 +3,36 @@
 Engine load figures arrive with every engine message and are labelled with the engine's address
 (one gateway may front several engines); the cumulative ones (prefix cache, preemptions) are
 turned into counter increments, starting over when an engine restarts.
+
+With ``--workers N`` every worker process writes its figures to files in a directory the workers
+share (prometheus_client's multiprocess mode), and whichever worker answers /metrics reports them
+all: request counters and histograms summed over the workers (a worker that died still counts),
+engine load gauges as the most recent figure any worker saw. The engine's cumulative figures are
+the same for every worker (each reads them on its own stream), so there each worker keeps its
+running total in a gauge and /metrics reports the largest, as a counter, not N times the truth.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
+from frontend_svc.config import shared_metrics_dir
 from frontend_svc.engine_types import LoadFigures
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The engine's cumulative figures (see Metrics.observe_load), by name, with their help text.
+ENGINE_TOTALS = {
+    "tandem:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "tandem:prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "tandem:num_preemptions": "Engine preemptions.",
+}
 _LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -65,32 +85,33 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._shared_dir = shared_metrics_dir()  # None: this process serves alone
         r, label = self.registry, ["model_name"]
         per_engine = [*label, "engine"]
         self.running = Gauge(
-            "tandem:num_requests_running", "Requests running on the engine.", per_engine, registry=r
+            "tandem:num_requests_running",
+            "Requests running on the engine.",
+            per_engine,
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.waiting = Gauge(
-            "tandem:num_requests_waiting", "Requests waiting on the engine.", per_engine, registry=r
+            "tandem:num_requests_waiting",
+            "Requests waiting on the engine.",
+            per_engine,
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.kv_usage = Gauge(
-            "tandem:kv_cache_usage_perc", "KV cache usage (1 = full).", per_engine, registry=r
-        )
-        self.prefix_queries = Counter(
-            "tandem:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
+            "tandem:kv_cache_usage_perc",
+            "KV cache usage (1 = full).",
             per_engine,
             registry=r,
+            multiprocess_mode="mostrecent",
         )
-        self.prefix_hits = Counter(
-            "tandem:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            per_engine,
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "tandem:num_preemptions", "Engine preemptions.", per_engine, registry=r
-        )
+        self.prefix_queries = self._engine_total("tandem:prefix_cache_queries")
+        self.prefix_hits = self._engine_total("tandem:prefix_cache_hits")
+        self.preemptions = self._engine_total("tandem:num_preemptions")
         self.routed = Counter(
             "tandem:engine_requests",
             "Sequences sent to each engine; affinity=true when sent for its cached prompt prefix.",
@@ -132,6 +153,13 @@ class Metrics:
         )
         self._last: dict[str, LoadFigures] = {}
 
+    def _engine_total(self, name: str) -> Counter | Gauge:
+        labels, r = ["model_name", "engine"], self.registry
+        if self._shared_dir is None:
+            return Counter(name, ENGINE_TOTALS[name], labels, registry=r)
+        # Each worker's running total of the same engine figures; /metrics reports the largest.
+        return Gauge(name, ENGINE_TOTALS[name], labels, registry=r, multiprocess_mode="max")
+
     def observe_load(self, engine: str, load: LoadFigures) -> None:
         m = self.model_name
         self.running.labels(m, engine).set(load.num_running)
@@ -151,6 +179,11 @@ class Metrics:
     def forget_engine(self, engine: str) -> None:
         """An engine left for good: drop its load gauges (its counters stay, as totals do)."""
         for gauge in (self.running, self.waiting, self.kv_usage):
+            if self._shared_dir is not None:
+                # Nothing is ever removed from the workers' files: a NaN, newer than any
+                # worker's last figure for the engine, tells /metrics to leave the engine out.
+                gauge.labels(self.model_name, engine).set(math.nan)
+                continue
             try:
                 gauge.remove(self.model_name, engine)
             except KeyError:
@@ -176,4 +209,28 @@ class Metrics:
         self.e2e.labels(self.model_name).observe(e2e_s)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text format of every figure: this process's, or with workers all of theirs."""
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        registry.register(_AllWorkers(self._shared_dir))
+        return generate_latest(registry)
+
+
+class _AllWorkers(Collector):
+    """The figures of every worker, merged from the files in ``path`` (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in MultiProcessCollector(None, self.path).collect():
+            if metric.name in ENGINE_TOTALS:  # the largest of the workers' gauges
+                total = CounterMetricFamily(metric.name, metric.documentation)
+                for sample in metric.samples:
+                    total.add_sample(metric.name + "_total", sample.labels, sample.value)
+                yield total
+                continue
+            if metric.type == "gauge":  # NaN: an engine that left (forget_engine)
+                metric.samples = [s for s in metric.samples if not math.isnan(s.value)]
+            yield metric

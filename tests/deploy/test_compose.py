@@ -138,6 +138,7 @@ def check_common(config: dict[str, Any], api_key: str) -> None:
     gateway = config_from_args([], environ=env)
     assert gateway.engine_address == f"engine:{flags.port}"
     assert gateway.api_key == (api_key or None)
+    assert gateway.workers == 1
     ready = frontend["healthcheck"]["test"]
     assert ready[:3] == ["CMD", "python", "-c"] and f":{gateway.port}/health" in ready[3]
 
@@ -171,6 +172,16 @@ def test_host_ports_follow_the_environment(compose: str) -> None:
     )
     assert ports(config["services"]["frontend"]) == [("", 9000, 8000)]
     assert ports(config["services"]["engine"]) == [("127.0.0.1", 6000, 50051)]
+
+
+@pytest.mark.parametrize("file", [GPU_FILE, CPU_FILE], ids=["gpu", "cpu"])
+def test_gateway_workers_follow_the_environment(compose: str, file: Path) -> None:
+    config = rendered_ok(compose, file, MODEL_DIR="/m", TANDEM_WORKERS="4")
+    env = {
+        k: "" if v is None else str(v)
+        for k, v in config["services"]["frontend"]["environment"].items()
+    }
+    assert config_from_args([], environ=env).workers == 4
 
 
 # ---------------------------------------------------------------------------- the CPU file

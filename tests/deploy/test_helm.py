@@ -218,6 +218,8 @@ BAD_VALUES = {
     "tls without secrets": {"tls": {"enabled": True}},
     "misspelt tls key": {"tls": {"enabeld": True}},
     "autoscaling typo": {"frontend": {"autoscaling": {"maxReplica": 4}}},
+    "no gateway worker": {"frontend": {"workers": 0}},
+    "workers not a number": {"frontend": {"workers": "2"}},
 }
 
 
@@ -435,6 +437,7 @@ def test_gateway_env_is_what_the_gateway_reads(scenario: str) -> None:
     ports = {p["name"]: p["containerPort"] for p in container(scenario, "frontend")["ports"]}
     assert config.port == ports["http"] == merged_values(scenario)["frontend"]["port"]
     assert config.tls.enabled == merged_values(scenario)["tls"]["enabled"]
+    assert config.workers == merged_values(scenario)["frontend"]["workers"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -474,8 +477,10 @@ def test_scale_out_three_engines_autoscaled_gateways() -> None:
     }
     assert targets == {"cpu": 60, "memory": 80}
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
-    # HPA utilization needs CPU requests on the pods it scales.
-    assert container("scale-out", "frontend")["resources"]["requests"]["cpu"]
+    # HPA utilization needs CPU requests on the pods it scales; about a core per gateway worker.
+    assert container("scale-out", "frontend")["resources"]["requests"]["cpu"] == "2"
+    assert gateway_config("scale-out").workers == 2
+    assert gateway_config("default").workers == 1
     pdbs = {
         d["metadata"]["labels"]["app.kubernetes.io/component"]: d
         for d in objects("scale-out", "PodDisruptionBudget")

@@ -68,3 +68,25 @@ def test_demux_errors_and_abort(engine: FakeEngine) -> None:
             await client.generate(request("d")).__anext__()
 
     asyncio.run(scenario())
+
+
+def test_a_consumer_that_falls_behind_gets_the_steps_merged(engine: FakeEngine) -> None:
+    """While the consumer is busy the engine keeps stepping; its next read takes everything
+    since the last one as one output, not one queued output per step."""
+
+    async def scenario() -> None:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2))
+        client.start()
+        assert await client.wait_connected(5)
+        gen = client.generate(request("slow", max_tokens=30))
+        first = await gen.__anext__()
+        assert len(first.new_token_ids) == 1
+        await asyncio.sleep(30 * engine.step_s + 0.3)  # the engine finishes meanwhile
+        rest = await gen.__anext__()
+        assert len(rest.new_token_ids) == 29 and rest.finish_reason is FinishReason.LENGTH
+        assert len(rest.logprobs) == 0 and rest.request_id == "slow"
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        await client.close()
+
+    asyncio.run(scenario())
