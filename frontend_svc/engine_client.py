@@ -359,15 +359,18 @@ def _logprobs(entries: Iterable[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
 
 
 def _output(out: pb.RequestOutput) -> EngineOutput:
+    # Called for every request of every engine step: the empty repeated fields and the unset
+    # finish are skipped rather than converted.
+    finish = out.finish_reason
     return EngineOutput(
-        request_id=out.request_id,
-        new_token_ids=tuple(out.new_token_ids),
-        logprobs=_logprobs(out.logprobs),
-        prompt_logprobs=_logprobs(out.prompt_logprobs),
-        finish_reason=_FINISH_REASONS.get(out.finish_reason),
-        stop_reason=out.stop_reason if out.HasField("stop_reason") else None,
-        num_cached_tokens=out.num_cached_tokens,
-        num_prompt_tokens=out.num_prompt_tokens,
+        out.request_id,
+        tuple(out.new_token_ids),
+        _logprobs(out.logprobs) if out.logprobs else (),
+        _logprobs(out.prompt_logprobs) if out.prompt_logprobs else (),
+        _FINISH_REASONS.get(finish) if finish else None,
+        out.stop_reason if finish and out.HasField("stop_reason") else None,
+        out.num_cached_tokens,
+        out.num_prompt_tokens,
     )
 
 

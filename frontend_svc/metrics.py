@@ -85,6 +85,7 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._token_children: tuple[str, Counter, Histogram, Histogram] | None = None
         self._shared_dir = shared_metrics_dir()  # None: this process serves alone
         r, label = self.registry, ["model_name"]
         per_engine = [*label, "engine"]
@@ -197,12 +198,20 @@ class Metrics:
         self.prompt_tokens.labels(self.model_name).inc(num_tokens)
 
     def observe_tokens(self, num_tokens: int, since_last_s: float | None, first: bool) -> None:
-        """New tokens of one sequence; ``since_last_s`` is the TTFT (first) or the ITL."""
-        m = self.model_name
+        """New tokens of one sequence; ``since_last_s`` is the TTFT (first) or the ITL.
+
+        Called for every delta of every stream: the labelled children are looked up once per
+        model name, not per call (``labels()`` takes a lock and checks its arguments)."""
+        children = self._token_children
+        if children is None or children[0] != self.model_name:
+            m = self.model_name
+            ttft, itl = self.ttft.labels(m), self.itl.labels(m)
+            children = (m, self.generation_tokens.labels(m), ttft, itl)
+            self._token_children = children
         if num_tokens:
-            self.generation_tokens.labels(m).inc(num_tokens)
+            children[1].inc(num_tokens)
         if since_last_s is not None:
-            (self.ttft if first else self.itl).labels(m).observe(since_last_s)
+            (children[2] if first else children[3]).observe(since_last_s)
 
     def observe_finished(self, finish_reason: str, e2e_s: float) -> None:
         self.request_success.labels(self.model_name, finish_reason).inc()
