@@ -79,12 +79,6 @@ def as_api_error(error: Exception, retry_after_s: int) -> ApiError:
     return error if isinstance(error, ApiError) else from_engine_error(error, retry_after_s)
 
 
-async def _chain(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    yield first
-    async for item in rest:
-        yield item
-
-
 ChunkBuilder = Callable[[SequenceDelta], list[dict[str, Any]]]
 
 
@@ -111,10 +105,15 @@ async def stream_sse(
         try:
             if first is not None:
                 async with _closing(deltas):
-                    async for delta in _chain(first, deltas):
+                    delta = first
+                    while True:
                         usage.add(delta)
                         for chunk in to_chunks(delta):
                             yield sse_event(chunk)
+                        try:
+                            delta = await deltas.__anext__()
+                        except StopAsyncIteration:
+                            break
             if usage_chunk is not None:
                 yield sse_event(usage_chunk(usage.as_dict()))
         except Exception as e:
