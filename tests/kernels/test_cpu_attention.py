@@ -12,7 +12,7 @@ import torch
 
 from kernels import cpu, cpu_ops, reference
 from kernels.attention_backends import CpuAttention, TorchAttention, select_kernels
-from tests.gpu.helpers import ATTN_TOL, make_case
+from tests.gpu.helpers import ATTN_TOL, AttentionCase, make_case
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler")
 LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 257]
@@ -21,6 +21,19 @@ LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 257]
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cpu_kernels")
+
+
+def _decode(lib: object, case: AttentionCase) -> torch.Tensor:
+    """The C kernel on every request of ``case`` (all decodes)."""
+    return cpu_ops.paged_decode(
+        lib,  # type: ignore[arg-type]
+        case.query,
+        case.key_cache,
+        case.value_cache,
+        case.meta.block_tables.to(torch.int32).contiguous(),
+        case.meta.seq_lens.to(torch.int32),
+        case.scale,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -35,16 +48,7 @@ def test_decode_kernel_matches_the_reference(
     meta = case.meta
     want = reference.paged_attention(case.query, case.key_cache, case.value_cache, meta, case.scale)
     case.poison_unused_slots()  # a read of any slot outside a context would give NaN
-    lib = cpu_ops.load(head_dim, 16, cache_dir)
-    got = cpu_ops.paged_decode(
-        lib,
-        case.query,
-        case.key_cache,
-        case.value_cache,
-        meta.block_tables.to(torch.int32).contiguous(),
-        meta.seq_lens.to(torch.int32),
-        case.scale,
-    )
+    got = _decode(cpu_ops.load(head_dim, 16, cache_dir), case)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
 
@@ -78,15 +82,7 @@ def test_both_builds_and_both_task_splits(
         lib = cpu_ops.load(64, 16, tmp_path)
         for threads in (1, 2):  # the split depends on the thread count
             with torch_threads(threads):
-                got = cpu_ops.paged_decode(
-                    lib,
-                    case.query,
-                    case.key_cache,
-                    case.value_cache,
-                    meta.block_tables.to(torch.int32).contiguous(),
-                    meta.seq_lens.to(torch.int32),
-                    case.scale,
-                )
+                got = _decode(lib, case)
             assert not got.isnan().any()
             torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     finally:
