@@ -234,3 +234,27 @@ def test_metrics_version_openapi_live(gateway: GatewayServer, client: openai.Ope
         "/health",
         "/metrics",
     } <= set(paths)
+
+
+def test_one_sequence_streams_without_a_merge(
+    client: openai.OpenAI, hf_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n=1 relays its sequence directly (no merge task and queue per token); n=2 merges."""
+    from frontend_svc import generation
+
+    merged: list[int] = []
+    original = generation.merge
+
+    def spy(streams):  # type: ignore[no-untyped-def]
+        merged.append(len(streams))
+        return original(streams)
+
+    monkeypatch.setattr(generation, "merge", spy)
+    stream = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == script_text(hf_tokenizer, 12)
+    assert merged == []
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=5, n=2, stream=True
+    )
+    assert {c.choices[0].index for c in stream if c.choices} == {0, 1}
+    assert merged == [2]
