@@ -26,6 +26,7 @@ import platform
 import random
 import resource
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -193,39 +194,48 @@ def run_count(n: int, model_dir: Path, vocab: int, args: argparse.Namespace) -> 
         )
 
     gemm_samples = [gemm()]
-    systems: dict[str, dict[str, float]] = {}
+    rounds: list[dict[str, dict[str, float]]] = []
 
     def record(name: str, result: dict[str, float]) -> None:
         gc.collect()  # the system's model and cache go before the next one loads
         result["peak_rss_mib"] = peak_rss_mib()
-        systems[name] = result
+        rounds[-1][name] = result
         print(f"{name}: {result}", flush=True)
         gemm_samples.append(gemm())
 
-    if "tandem" in args.systems:
-        record("tandem LLM", run_tandem(model_dir, reqs, warm, args, max_num_seqs))
-    if "hf-static" in args.systems:
-        for b in args.hf_batch_size:
-            elapsed = run_static(
-                model_dir, reqs, warm, dtype=dtype, device=args.device, batch_size=b
+    # With --rounds R the systems run R times in turn, so every ratio can be taken within a
+    # round (the machine drifts over minutes) and the median over rounds reported.
+    for _ in range(args.rounds):
+        rounds.append({})
+        if "tandem" in args.systems:
+            record("tandem LLM", run_tandem(model_dir, reqs, warm, args, max_num_seqs))
+        if "hf-static" in args.systems:
+            for b in args.hf_batch_size:
+                elapsed = run_static(
+                    model_dir, reqs, warm, dtype=dtype, device=args.device, batch_size=b
+                )
+                record(f"transformers static b{b}", _result(elapsed, out_tokens))
+        if "hf-cb" in args.systems:
+            elapsed = run_continuous(
+                model_dir,
+                reqs,
+                warm,
+                dtype=dtype,
+                device=args.device,
+                max_num_seqs=max_num_seqs,
+                max_batch_tokens=args.max_num_batched_tokens,
             )
-            record(f"transformers static b{b}", _result(elapsed, out_tokens))
-    if "hf-cb" in args.systems:
-        elapsed = run_continuous(
-            model_dir,
-            reqs,
-            warm,
-            dtype=dtype,
-            device=args.device,
-            max_num_seqs=max_num_seqs,
-            max_batch_tokens=args.max_num_batched_tokens,
-        )
-        record("transformers CB", _result(elapsed, out_tokens))
+            record("transformers CB", _result(elapsed, out_tokens))
+    # Each system's median round by elapsed time stands for it in the table.
+    systems = {
+        name: sorted((r[name] for r in rounds), key=lambda x: x["elapsed_s"])[len(rounds) // 2]
+        for name in rounds[0]
+    }
 
     flops = run_flops(cfg, [len(p) for p, _ in reqs], [o for _, o in reqs])
     rates = median_rates(gemm_samples)
     bound_s = rates.bound_seconds(flops)
-    for r in systems.values():
+    for r in (result for one_round in rounds for result in one_round.values()):
         r["model_flops_per_s"] = flops.total / r["elapsed_s"]
         r["fraction_of_gemm"] = bound_s / r["elapsed_s"]
     tandem = systems.get("tandem LLM")
@@ -240,6 +250,13 @@ def run_count(n: int, model_dir: Path, vocab: int, args: argparse.Namespace) -> 
             for name, r in systems.items()
             if tandem and r is not tandem
         },
+        # Tandem over each peer within each round, and their median.
+        "tandem_ratio_by_round": {
+            name: [r["tandem LLM"]["output_tok_s"] / r[name]["output_tok_s"] for r in rounds]
+            for name in systems
+            if tandem and name != "tandem LLM"
+        },
+        "rounds": rounds,
         "model_flops": {**vars(flops), "total": flops.total},
         "gemm": {
             "samples": [vars(s) for s in gemm_samples],
@@ -270,6 +287,13 @@ def print_table(run: dict[str, Any], args: argparse.Namespace) -> None:
             f"{r['model_flops_per_s'] / 1e9:>10.1f}{r['fraction_of_gemm']:>9.1%}"
             f"{'-' if ratio is None else f'{ratio:.2f}x':>10}"
         )
+    if len(run["rounds"]) > 1:
+        print(f"median round of {len(run['rounds'])} above; within each round:")
+        for name, ratios in run["tandem_ratio_by_round"].items():
+            listed = ", ".join(f"{x:.2f}x" for x in ratios)
+            print(f"  tandem / {name}: {listed} (median {statistics.median(ratios):.2f}x)")
+        fractions = ", ".join(f"{r['tandem LLM']['fraction_of_gemm']:.1%}" for r in run["rounds"])
+        print(f"  tandem of GEMM: {fractions}")
     m = g["median"]
     print(
         f"model FLOPs {f['total'] / 1e9:.1f} G = 2 x {f['body_params'] / 1e6:.2f}M body params x "
@@ -318,6 +342,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="run the systems this many times in turn")
     ap.add_argument("--progress", action="store_true", help="Tandem's progress bar")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
     args = ap.parse_args()
