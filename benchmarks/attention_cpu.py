@@ -20,10 +20,7 @@ bandwidth readings beside it, and the medians over the rounds are reported.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +31,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import provenance  # noqa: E402
 
 from engine_svc import envs  # noqa: E402
 from kernels.attention_backends import Kernels, select_kernels  # noqa: E402
@@ -157,9 +157,7 @@ def main() -> None:
         )
     if args.out:
         record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+            **provenance(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

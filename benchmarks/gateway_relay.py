@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import importlib.metadata
 import json
 import math
 import os
 import platform
-import shlex
 import signal
 import subprocess
 import sys
@@ -59,6 +57,7 @@ import orjson
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # tests.frontend.tiny_tokenizer
+from provenance import provenance  # type: ignore[import-not-found]  # noqa: E402
 from relay_client import Progress  # type: ignore[import-not-found]  # noqa: E402
 from relay_standins import READY  # type: ignore[import-not-found]  # noqa: E402
 from serve import _free_port, _process  # type: ignore[import-not-found]  # noqa: E402
@@ -409,20 +408,6 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    model = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if "model name" in line),
-        platform.processor(),
-    )
-    return {
-        "cpu_model": model,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "node": platform.node(),
-    }
-
-
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for dist in (
@@ -486,9 +471,7 @@ def main() -> None:
     print(report(results))
     if args.out:
         record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+            **provenance(),
             "versions": versions(),
             "gateway_source": gateway_source(),
             "client": CLIENT,

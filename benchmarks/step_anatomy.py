@@ -20,12 +20,9 @@ skipped (the KV cache holds zeros, which cost attention the same as real values)
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import platform
 import random
-import shlex
 import sys
 import tempfile
 import time
@@ -39,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from provenance import provenance  # noqa: E402
 from throughput import SHAPES, build_model  # noqa: E402
 
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
@@ -161,10 +159,8 @@ def main() -> None:
                 )
     if args.out:
         record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+            **provenance(),
             "torch": torch.__version__,
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
             "shape": args.shape,
             "rows": rows,
         }

@@ -19,13 +19,10 @@ counting) and writes JSON with date, machine, command and arguments to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import platform
 import random
 import resource
-import shlex
 import statistics
 import sys
 import tempfile
@@ -38,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import GemmRates, measure_gemm_rates, median_rates, run_flops  # noqa: E402
 from hf_peers import Request, blocks_to_hold, run_continuous, run_static  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     # ~25M parameters: fits a 2-core CPU run in minutes.
@@ -363,9 +361,7 @@ def main() -> None:
         import transformers
 
         record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+            **provenance(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
             "threads": torch.get_num_threads(),
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
