@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/engine/v1/engine.proto\x12\x10tandem.engine.v1\"\xbd\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12=\n\x11structured_output\x18\x0f \x01(\x0b\x32\".tandem.engine.v1.StructuredOutput\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12-\n\tbad_words\x18\x11 \x03(\x0b\x32\x1a.tandem.engine.v1.TokenIds\x12\x43\n\nlogit_bias\x18\x12 \x03(\x0b\x32/.tandem.engine.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.tandem.engine.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9d\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"y\n\x11\x45ngineCoreRequest\x12+\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1c.tandem.engine.v1.AddRequestH\x00\x12/\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1e.tandem.engine.v1.AbortRequestH\x00\x42\x06\n\x04kind\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.tandem.engine.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xc8\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x18\n\x0bstop_reason\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x1a\n\rqueued_time_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0eprefill_time_s\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rdecode_time_s\x18\x0b \x01(\x01H\x03\x88\x01\x01\x42\x0e\n\x0c_stop_reasonB\x10\n\x0e_queued_time_sB\x11\n\x0f_prefill_time_sB\x10\n\x0e_decode_time_s\"^\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1b.tandem.engine.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb1\x01\n\tLoadStats\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\"\xb3\x01\n\x11\x45ngineCoreOutputs\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.tandem.engine.v1.RequestOutput\x12.\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1e.tandem.engine.v1.RequestError\x12)\n\x04load\x18\x03 \x01(\x0b\x32\x1b.tandem.engine.v1.LoadStats\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\"@\n\x0fGenerateRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.tandem.engine.v1.AddRequest\"n\n\x10GenerateResponse\x12/\n\x06output\x18\x01 \x01(\x0b\x32\x1f.tandem.engine.v1.RequestOutput\x12)\n\x04load\x18\x02 \x01(\x0b\x32\x1b.tandem.engine.v1.LoadStats\"\x15\n\x13GetModelInfoRequest\"\xe1\x02\n\x14GetModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x04\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\x12\x14\n\x0cmodel_source\x18\n \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x0b \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\tB\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\"N\n\x14GetTokenizerResponse\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xed\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12&\n\"ERROR_CODE_CONTEXT_LENGTH_EXCEEDED\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12#\n\x1f\x45RROR_CODE_DUPLICATE_REQUEST_ID\x10\x04\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x05\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x06\x32\xbf\x03\n\x06\x45ngine\x12V\n\x06Stream\x12#.tandem.engine.v1.EngineCoreRequest\x1a#.tandem.engine.v1.EngineCoreOutputs(\x01\x30\x01\x12S\n\x08Generate\x12!.tandem.engine.v1.GenerateRequest\x1a\".tandem.engine.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.tandem.engine.v1.AbortRequest\x1a\x1f.tandem.engine.v1.AbortResponse\x12]\n\x0cGetModelInfo\x12%.tandem.engine.v1.GetModelInfoRequest\x1a&.tandem.engine.v1.GetModelInfoResponse\x12_\n\x0cGetTokenizer\x12%.tandem.engine.v1.GetTokenizerRequest\x1a&.tandem.engine.v1.GetTokenizerResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/engine/v1/engine.proto\x12\x10tandem.engine.v1\"\xbd\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12=\n\x11structured_output\x18\x0f \x01(\x0b\x32\".tandem.engine.v1.StructuredOutput\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12-\n\tbad_words\x18\x11 \x03(\x0b\x32\x1a.tandem.engine.v1.TokenIds\x12\x43\n\nlogit_bias\x18\x12 \x03(\x0b\x32/.tandem.engine.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.tandem.engine.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd6\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12\x37\n\x0epooling_params\x18\x06 \x01(\x0b\x32\x1f.tandem.engine.v1.PoolingParams\"\xb2\x01\n\rPoolingParams\x12+\n\x04task\x18\x01 \x01(\x0e\x32\x1d.tandem.engine.v1.PoolingTask\x12\x17\n\ndimensions\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\nactivation\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\r\n\x0b_activation\"\x1a\n\nPooledData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x03(\x02\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"y\n\x11\x45ngineCoreRequest\x12+\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1c.tandem.engine.v1.AddRequestH\x00\x12/\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1e.tandem.engine.v1.AbortRequestH\x00\x42\x06\n\x04kind\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.tandem.engine.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf6\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x18\n\x0bstop_reason\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x1a\n\rqueued_time_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0eprefill_time_s\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rdecode_time_s\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12,\n\x06pooled\x18\x0c \x01(\x0b\x32\x1c.tandem.engine.v1.PooledDataB\x0e\n\x0c_stop_reasonB\x10\n\x0e_queued_time_sB\x11\n\x0f_prefill_time_sB\x10\n\x0e_decode_time_s\"^\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1b.tandem.engine.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb1\x01\n\tLoadStats\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\"\xb3\x01\n\x11\x45ngineCoreOutputs\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.tandem.engine.v1.RequestOutput\x12.\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1e.tandem.engine.v1.RequestError\x12)\n\x04load\x18\x03 \x01(\x0b\x32\x1b.tandem.engine.v1.LoadStats\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\"@\n\x0fGenerateRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.tandem.engine.v1.AddRequest\"n\n\x10GenerateResponse\x12/\n\x06output\x18\x01 \x01(\x0b\x32\x1f.tandem.engine.v1.RequestOutput\x12)\n\x04load\x18\x02 \x01(\x0b\x32\x1b.tandem.engine.v1.LoadStats\"\x15\n\x13GetModelInfoRequest\"\xee\x03\n\x14GetModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x04\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\x12\x14\n\x0cmodel_source\x18\n \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x0b \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\t\x12\x17\n\x0fsupported_tasks\x18\x0e \x03(\t\x12\x16\n\x0e\x65mbedding_size\x18\x0f \x01(\r\x12\x14\n\x0cpooling_type\x18\x10 \x01(\t\x12\x15\n\ris_matryoshka\x18\x11 \x01(\x08\x12\x1d\n\x15matryoshka_dimensions\x18\x12 \x03(\r\x12\x0e\n\x06labels\x18\x13 \x03(\tB\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\"N\n\x14GetTokenizerResponse\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xed\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12&\n\"ERROR_CODE_CONTEXT_LENGTH_EXCEEDED\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12#\n\x1f\x45RROR_CODE_DUPLICATE_REQUEST_ID\x10\x04\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x05\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x06*v\n\x0bPoolingTask\x12\x1c\n\x18POOLING_TASK_UNSPECIFIED\x10\x00\x12\x16\n\x12POOLING_TASK_EMBED\x10\x01\x12\x19\n\x15POOLING_TASK_CLASSIFY\x10\x02\x12\x16\n\x12POOLING_TASK_SCORE\x10\x03\x32\xbf\x03\n\x06\x45ngine\x12V\n\x06Stream\x12#.tandem.engine.v1.EngineCoreRequest\x1a#.tandem.engine.v1.EngineCoreOutputs(\x01\x30\x01\x12S\n\x08Generate\x12!.tandem.engine.v1.GenerateRequest\x1a\".tandem.engine.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.tandem.engine.v1.AbortRequest\x1a\x1f.tandem.engine.v1.AbortResponse\x12]\n\x0cGetModelInfo\x12%.tandem.engine.v1.GetModelInfoRequest\x1a&.tandem.engine.v1.GetModelInfoResponse\x12_\n\x0cGetTokenizer\x12%.tandem.engine.v1.GetTokenizerRequest\x1a&.tandem.engine.v1.GetTokenizerResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3071
-  _globals['_FINISHREASON']._serialized_end=3191
-  _globals['_ERRORCODE']._serialized_start=3194
-  _globals['_ERRORCODE']._serialized_end=3431
+  _globals['_FINISHREASON']._serialized_start=3524
+  _globals['_FINISHREASON']._serialized_end=3644
+  _globals['_ERRORCODE']._serialized_start=3647
+  _globals['_ERRORCODE']._serialized_end=3884
+  _globals['_POOLINGTASK']._serialized_start=3886
+  _globals['_POOLINGTASK']._serialized_end=4004
   _globals['_SAMPLINGPARAMS']._serialized_start=52
   _globals['_SAMPLINGPARAMS']._serialized_end=753
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=599
@@ -48,37 +50,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=942
   _globals['_CHOICES']._serialized_end=968
   _globals['_ADDREQUEST']._serialized_start=971
-  _globals['_ADDREQUEST']._serialized_end=1128
-  _globals['_ABORTREQUEST']._serialized_start=1130
-  _globals['_ABORTREQUEST']._serialized_end=1165
-  _globals['_ABORTRESPONSE']._serialized_start=1167
-  _globals['_ABORTRESPONSE']._serialized_end=1203
-  _globals['_ENGINECOREREQUEST']._serialized_start=1205
-  _globals['_ENGINECOREREQUEST']._serialized_end=1326
-  _globals['_TOKENLOGPROB']._serialized_start=1328
-  _globals['_TOKENLOGPROB']._serialized_end=1443
-  _globals['_TOPLOGPROB']._serialized_start=1445
-  _globals['_TOPLOGPROB']._serialized_end=1492
-  _globals['_REQUESTOUTPUT']._serialized_start=1495
-  _globals['_REQUESTOUTPUT']._serialized_end=1951
-  _globals['_REQUESTERROR']._serialized_start=1953
-  _globals['_REQUESTERROR']._serialized_end=2047
-  _globals['_LOADSTATS']._serialized_start=2050
-  _globals['_LOADSTATS']._serialized_end=2227
-  _globals['_ENGINECOREOUTPUTS']._serialized_start=2230
-  _globals['_ENGINECOREOUTPUTS']._serialized_end=2409
-  _globals['_GENERATEREQUEST']._serialized_start=2411
-  _globals['_GENERATEREQUEST']._serialized_end=2475
-  _globals['_GENERATERESPONSE']._serialized_start=2477
-  _globals['_GENERATERESPONSE']._serialized_end=2587
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2589
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2610
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2613
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2966
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2968
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2989
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2991
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=3069
-  _globals['_ENGINE']._serialized_start=3434
-  _globals['_ENGINE']._serialized_end=3881
+  _globals['_ADDREQUEST']._serialized_end=1185
+  _globals['_POOLINGPARAMS']._serialized_start=1188
+  _globals['_POOLINGPARAMS']._serialized_end=1366
+  _globals['_POOLEDDATA']._serialized_start=1368
+  _globals['_POOLEDDATA']._serialized_end=1394
+  _globals['_ABORTREQUEST']._serialized_start=1396
+  _globals['_ABORTREQUEST']._serialized_end=1431
+  _globals['_ABORTRESPONSE']._serialized_start=1433
+  _globals['_ABORTRESPONSE']._serialized_end=1469
+  _globals['_ENGINECOREREQUEST']._serialized_start=1471
+  _globals['_ENGINECOREREQUEST']._serialized_end=1592
+  _globals['_TOKENLOGPROB']._serialized_start=1594
+  _globals['_TOKENLOGPROB']._serialized_end=1709
+  _globals['_TOPLOGPROB']._serialized_start=1711
+  _globals['_TOPLOGPROB']._serialized_end=1758
+  _globals['_REQUESTOUTPUT']._serialized_start=1761
+  _globals['_REQUESTOUTPUT']._serialized_end=2263
+  _globals['_REQUESTERROR']._serialized_start=2265
+  _globals['_REQUESTERROR']._serialized_end=2359
+  _globals['_LOADSTATS']._serialized_start=2362
+  _globals['_LOADSTATS']._serialized_end=2539
+  _globals['_ENGINECOREOUTPUTS']._serialized_start=2542
+  _globals['_ENGINECOREOUTPUTS']._serialized_end=2721
+  _globals['_GENERATEREQUEST']._serialized_start=2723
+  _globals['_GENERATEREQUEST']._serialized_end=2787
+  _globals['_GENERATERESPONSE']._serialized_start=2789
+  _globals['_GENERATERESPONSE']._serialized_end=2899
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2901
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2922
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2925
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3419
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=3421
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=3442
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=3444
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=3522
+  _globals['_ENGINE']._serialized_start=4007
+  _globals['_ENGINE']._serialized_end=4454
 # @@protoc_insertion_point(module_scope)

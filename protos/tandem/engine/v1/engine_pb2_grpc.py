@@ -98,7 +98,8 @@ class EngineServicer:
         """One request per call, for simple clients in any language. The engine streams one
         GenerateResponse per step that produced tokens for this request; the last one has
         `output.finish_reason` set. Cancelling the call aborts the request. Errors are reported as
-        the call's gRPC status (see ErrorCode for the mapping) instead of a RequestError.
+        the call's gRPC status (see ErrorCode for the mapping) instead of a RequestError. A pooling
+        request (AddRequest.pooling_params) gets exactly one GenerateResponse, carrying `pooled`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
