@@ -38,6 +38,16 @@ def test_stubs_import_by_package_path() -> None:
         "Abort",
         "GetModelInfo",
         "GetTokenizer",
+        "AddLora",
+        "RemoveLora",
+        "ListLoras",
+        "PinLora",
+        "ResetPrefixCache",
+        "Sleep",
+        "WakeUp",
+        "IsSleeping",
+        "StartProfile",
+        "StopProfile",
     }
     assert hasattr(engine_pb2_grpc, "EngineStub")
 

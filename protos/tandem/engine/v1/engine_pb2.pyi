@@ -23,6 +23,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_DUPLICATE_REQUEST_ID: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
 
 class PoolingTask(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_DUPLICATE_REQUEST_ID: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_NOT_FOUND: ErrorCode
 POOLING_TASK_UNSPECIFIED: PoolingTask
 POOLING_TASK_EMBED: PoolingTask
 POOLING_TASK_CLASSIFY: PoolingTask
@@ -120,20 +122,22 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time", "pooling_params")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time", "pooling_params", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     POOLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     priority: int
     arrival_time: float
     pooling_params: PoolingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., pooling_params: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., pooling_params: _Optional[_Union[PoolingParams, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PoolingParams(_message.Message):
     __slots__ = ("task", "dimensions", "normalize", "activation")
@@ -278,7 +282,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "num_kv_blocks", "kv_capacity_tokens", "max_logprobs", "model_source", "engine_version", "enable_prefix_caching", "kv_cache_dtype", "supported_tasks", "embedding_size", "pooling_type", "is_matryoshka", "matryoshka_dimensions", "labels")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "num_kv_blocks", "kv_capacity_tokens", "max_logprobs", "model_source", "engine_version", "enable_prefix_caching", "kv_cache_dtype", "supported_tasks", "embedding_size", "pooling_type", "is_matryoshka", "matryoshka_dimensions", "labels", "max_loras", "max_lora_rank")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +302,8 @@ class GetModelInfoResponse(_message.Message):
     IS_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -317,7 +323,9 @@ class GetModelInfoResponse(_message.Message):
     is_matryoshka: bool
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., model_source: _Optional[str] = ..., engine_version: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., model_source: _Optional[str] = ..., engine_version: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
@@ -332,3 +340,119 @@ class GetTokenizerResponse(_message.Message):
     data: bytes
     chat_template: str
     def __init__(self, file_name: _Optional[str] = ..., data: _Optional[bytes] = ..., chat_template: _Optional[str] = ...) -> None: ...
+
+class AddLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "pin")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    pin: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class AddLoraResponse(_message.Message):
+    __slots__ = ("lora",)
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    lora: LoraInfo
+    def __init__(self, lora: _Optional[_Union[LoraInfo, _Mapping]] = ...) -> None: ...
+
+class RemoveLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class RemoveLoraResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLorasResponse(_message.Message):
+    __slots__ = ("loras",)
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.RepeatedCompositeFieldContainer[LoraInfo]
+    def __init__(self, loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ...) -> None: ...
+
+class PinLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class PinLoraResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraInfo(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "rank", "pinned", "on_device")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    rank: int
+    pinned: bool
+    on_device: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., rank: _Optional[int] = ..., pinned: _Optional[bool] = ..., on_device: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("trace_path",)
+    TRACE_PATH_FIELD_NUMBER: _ClassVar[int]
+    trace_path: str
+    def __init__(self, trace_path: _Optional[str] = ...) -> None: ...

@@ -62,6 +62,56 @@ class EngineStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetTokenizerResponse.FromString,
                 _registered_method=True)
+        self.AddLora = channel.unary_unary(
+                '/tandem.engine.v1.Engine/AddLora',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.AddLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.AddLoraResponse.FromString,
+                _registered_method=True)
+        self.RemoveLora = channel.unary_unary(
+                '/tandem.engine.v1.Engine/RemoveLora',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.RemoveLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.RemoveLoraResponse.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/tandem.engine.v1.Engine/ListLoras',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ListLorasResponse.FromString,
+                _registered_method=True)
+        self.PinLora = channel.unary_unary(
+                '/tandem.engine.v1.Engine/PinLora',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PinLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PinLoraResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/tandem.engine.v1.Engine/ResetPrefixCache',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/tandem.engine.v1.Engine/Sleep',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/tandem.engine.v1.Engine/WakeUp',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/tandem.engine.v1.Engine/IsSleeping',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/tandem.engine.v1.Engine/StartProfile',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/tandem.engine.v1.Engine/StopProfile',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -129,6 +179,93 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddLora(self, request, context):
+        """LoRA adapters (vLLM's add_lora / remove_lora / list_loras / pin_lora). Requests name an
+        adapter in AddRequest.lora_name; one batch mixes adapters and the base model. At most
+        max_loras adapters sit on the device at once; the others are kept in host memory and the
+        least recently used unpinned one is moved out when another is needed.
+
+        Loads an adapter from a PEFT directory on the engine's file system (adapter_config.json and
+        adapter_model.safetensors). INVALID_ARGUMENT naming the file for a bad directory, a rank above
+        max_lora_rank or a target module the model does not have; ALREADY_EXISTS for a name in use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveLora(self, request, context):
+        """Unloads an adapter. NOT_FOUND for an unknown name. Requests already running with it finish
+        first; new requests naming it are refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """The loaded adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinLora(self, request, context):
+        """Keeps an adapter on the device: never moved out to make room. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Utility calls (vLLM's engine-core utilities).
+
+        Drops every prefix-cache entry not in use by a running request. reset is false when some
+        blocks were still in use (their entries stay), as vLLM's reset_prefix_cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Puts the engine to sleep: level 1 frees the KV cache and moves the weights to host memory;
+        level 2 frees the KV cache and drops the weights (reloaded from the checkpoint on wake up).
+        Waits for the running requests to finish first; while asleep, health is NOT_SERVING and new
+        requests are refused with ERROR_CODE_UNAVAILABLE. Sleeping again is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Wakes a sleeping engine: weights back on the device, KV cache reallocated (empty), health
+        SERVING again. A no-op when awake.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Whether the engine sleeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProfile(self, request, context):
+        """Starts the torch profiler over the engine's steps; FAILED_PRECONDITION when the engine was
+        started without a profile directory or a profile is already running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stops it and writes the trace into the profile directory. FAILED_PRECONDITION when no
+        profile runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +293,56 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetTokenizerRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetTokenizerResponse.SerializeToString,
+            ),
+            'AddLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddLora,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.AddLoraRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.AddLoraResponse.SerializeToString,
+            ),
+            'RemoveLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveLora,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.RemoveLoraRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.RemoveLoraResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ListLorasRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ListLorasResponse.SerializeToString,
+            ),
+            'PinLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinLora,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PinLoraRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PinLoraResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.SleepRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.WakeUpRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StartProfileRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StopProfileRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -296,6 +483,276 @@ class Engine:
             '/tandem.engine.v1.Engine/GetTokenizer',
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetTokenizerRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetTokenizerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/AddLora',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.AddLoraRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.AddLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/RemoveLora',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.RemoveLoraRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.RemoveLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/ListLoras',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.ListLorasRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.ListLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/PinLora',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.PinLoraRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.PinLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/ResetPrefixCache',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/Sleep',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/WakeUp',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/IsSleeping',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/StartProfile',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.Engine/StopProfile',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
