@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.request import FinishReason, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 
@@ -14,6 +15,8 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "FinishReason",
+    "PoolingParams",
+    "PoolingTask",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",

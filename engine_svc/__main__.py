@@ -48,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "NOT_SERVING and new requests are refused (until it makes progress again)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pooling-type",
+        default=None,
+        choices=["LAST", "MEAN", "CLS"],
+        help="how embeddings pool the hidden states (default: the checkpoint's "
+        "sentence-transformers Pooling config, else LAST)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default=None, help="PEM CA: require client certificates (mTLS)")
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                 served_model_name=served,
                 seed=args.seed,
                 max_logprobs=args.max_logprobs,
+                pooling_type=args.pooling_type,
             ),
             cache=CacheConfig(
                 block_size=args.block_size,

@@ -13,6 +13,7 @@ from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from engine_svc.core.scheduler import SchedulerConfig
 from kernels.attention_backends import BACKENDS
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -36,11 +37,18 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # How "embed" pools: LAST | MEAN | CLS. None: the checkpoint's sentence-transformers
+    # Pooling module, else LAST (models/tasks.py). Given, it overrides the checkpoint.
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
             )
 
 

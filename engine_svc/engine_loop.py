@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.errors import DuplicateRequestError
 from engine_svc.core.outputs import EngineCoreOutput
+from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import SchedulerStats
@@ -86,6 +87,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float | None
     priority: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -167,9 +169,11 @@ class EngineLoop:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """Queue a request (already validated). Raises QueueFull, Unavailable (Draining while
-        shutting down), or ValueError for an id the client already has in flight."""
+        """Queue a request (already validated; ``pooling_params`` set: a pooling request).
+        Raises QueueFull, Unavailable (Draining while shutting down), or ValueError for an id
+        the client already has in flight."""
         if self.draining:
             raise Draining("the engine is shutting down")
         reason = self.unavailable_reason()
@@ -183,7 +187,9 @@ class EngineLoop:
                 raise QueueFull(f"the engine's waiting queue is full ({self.max_waiting} requests)")
             self._pending_adds += 1
             self._owner[internal] = (client, request_id)
-        self._inbox.put(_Add(client, request_id, prompt, params, arrival_time, priority))
+        self._inbox.put(
+            _Add(client, request_id, prompt, params, arrival_time, priority, pooling_params)
+        )
 
     def abort(self, client: str | None, request_ids: list[str]) -> int:
         """Abort by the client's ids (client None: match the id under any client)."""
@@ -259,7 +265,12 @@ class EngineLoop:
                 return
         try:
             self.core.add_request(
-                internal, item.prompt, item.params, item.arrival_time, item.priority
+                internal,
+                item.prompt,
+                item.params,
+                item.arrival_time,
+                item.priority,
+                item.pooling_params,
             )
         except ValueError as e:
             with self._lock:

@@ -13,10 +13,12 @@ from engine_svc.config import EngineConfig
 from engine_svc.core.errors import ContextLengthError
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine_svc.core.pooling_params import ModelTasks, PoolingParams
 from engine_svc.core.request import FinishReason, Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
 from engine_svc.models.loader import read_hf_config
+from engine_svc.models.tasks import checkpoint_kind, model_tasks
 from engine_svc.structured_output.manager import StructuredOutputManager
 from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -41,11 +43,14 @@ class ModelInfo:
     max_logprobs: int
     enable_prefix_caching: bool
     kv_cache_dtype: str  # "bfloat16", "float32" ...
+    tasks: ModelTasks = ModelTasks()  # what the model serves, and its pooling facts
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+    def check_prompt(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
         """Raise ``ValueError`` naming the problem with a prompt this model cannot take.
 
-        Pure and thread-safe: the gRPC layer calls it to answer at once, before queueing.
+        A pooling prompt may fill the whole context (``pooling``); a generation prompt must leave
+        room for one token. Pure and thread-safe: the gRPC layer calls it to answer at once,
+        before queueing.
         """
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -55,7 +60,13 @@ class ModelInfo:
                 f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
                 f"{bad[:5]}"
             )
-        if len(prompt_token_ids) >= self.max_model_len:
+        if pooling:
+            if len(prompt_token_ids) > self.max_model_len:
+                raise ContextLengthError(
+                    f"prompt has {len(prompt_token_ids)} tokens; the model's context length is "
+                    f"{self.max_model_len}"
+                )
+        elif len(prompt_token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"prompt has {len(prompt_token_ids)} tokens; the model's context length is "
                 f"{self.max_model_len} and at least one token must be generated"
@@ -71,14 +82,23 @@ class ModelInfo:
                 "LLM tokenizes them with the model's tokenizer)"
             )
 
+    def check_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> PoolingParams:
+        """A pooling request's checks (the task served, its parameters, the prompt); returns the
+        parameters with their defaults filled in. Pure and thread-safe, like ``check_prompt``."""
+        resolved = self.tasks.check(params)
+        self.check_prompt(prompt_token_ids, pooling=True)
+        return resolved
+
     def check_request(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """``check_prompt``, plus: the prompt and ``max_tokens`` must fit the context together.
 
         This is the contract's rule (CONTEXT_LENGTH_EXCEEDED): a served request is refused rather
         than silently cut at max_model_len. ``max_tokens`` None means "the rest of the context".
         The offline API is lenient instead, as vLLM's: it only checks the prompt, and a request
-        that reaches max_model_len finishes with ``length``.
+        that reaches max_model_len finishes with ``length``. A model that does not generate
+        refuses it (INVALID_ARGUMENT).
         """
+        self.tasks.check_generate()
         self.check_prompt(prompt_token_ids)
         n = len(prompt_token_ids)
         if max_tokens is not None and n + max_tokens > self.max_model_len:
@@ -128,6 +148,12 @@ class EngineCore:
             max_logprobs=config.model.max_logprobs,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             kv_cache_dtype=str(self.runner.dtype).removeprefix("torch."),
+            tasks=model_tasks(
+                checkpoint_kind(config.model.model, hf),
+                hf,
+                config.model.model,
+                config.model.pooling_type,
+            ),
         )
         self.structured = StructuredOutputManager(
             config.model.model, self.info.vocab_size, self.info.eos_token_ids
@@ -141,9 +167,25 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ``ValueError`` naming the problem."""
+        """Validate and queue a request. Raises ``ValueError`` naming the problem.
+
+        With ``pooling_params`` it is a pooling request: ``params`` are ignored."""
         info = self.info
+        if pooling_params is not None:
+            pooling = info.check_pooling(prompt_token_ids, pooling_params)
+            request = Request(
+                request_id,
+                prompt_token_ids,
+                SamplingParams(max_tokens=1),  # unused: a pooling request samples nothing
+                arrival_time=arrival_time,
+                priority=priority,
+                pooling_params=pooling,
+            )
+            self.scheduler.add_request(request)
+            return request
+        info.tasks.check_generate()
         info.check_prompt(prompt_token_ids)
         info.check_params(params)
         for name in ("logprobs", "prompt_logprobs"):
@@ -202,6 +244,16 @@ class EngineCore:
         self, request: Request, result: ModelRunnerOutput, now: float
     ) -> EngineCoreOutput:
         rid = request.request_id
+        if request.pooling_params is not None:  # finished: its pooled result, no token
+            return EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[],
+                finish_reason=request.finish_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_prompt_tokens=request.num_prompt_tokens,
+                phase_times=request.phase_times(now),
+                pooled=result.pooled[rid],
+            )
         out = EngineCoreOutput(
             request_id=rid,
             new_token_ids=[result.sampled[rid]],

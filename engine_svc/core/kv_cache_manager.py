@@ -73,14 +73,16 @@ class KVCacheManager:
         return hashes
 
     def _uses_cache(self, request: Request) -> bool:
-        # Prompt logprobs need logits at every prompt position: such requests compute it all.
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs (logits at every prompt position) and MEAN / CLS pooling (every
+        # position's hidden state) compute the whole prompt. Their blocks are still published.
+        return self.enable_caching and not request.skips_prefix_cache
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of the request's leading full blocks already in the prefix cache.
 
         At least one token is always left to compute, so the model produces logits for the
-        next token even when the whole prompt is cached.
+        next token (or a LAST-pooling request its last hidden state) even when the whole prompt
+        is cached.
         """
         if not self._uses_cache(request):
             return [], 0

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from engine_svc.core.request import FinishReason, Logprobs, PhaseTimes
 from engine_svc.core.scheduler import SchedulerStats
 
@@ -21,6 +24,9 @@ class EngineCoreOutput:
     # With the first token and with the last output: the phases so far (the contract's
     # queued_time_s / prefill_time_s / decode_time_s).
     phase_times: PhaseTimes | None = None
+    # A pooling request's result, in its one (final) output: float32, one row of the step's
+    # pooled batch (the embedding, one value per label, or the score).
+    pooled: npt.NDArray[np.float32] | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class Request:
     The scheduler only reasons about two counters: ``num_tokens`` (prompt + output so far) and
     ``num_computed_tokens`` (how many of them have KV in the cache). Prefill, chunked prefill and
     decode are all "catch ``num_computed_tokens`` up to ``num_tokens``".
+
+    A pooling request (``pooling_params`` set, checked by ``ModelTasks.check``) is prefill only:
+    it samples nothing and finishes once its whole prompt is computed; its ``sampling_params``
+    are the defaults and unused.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -90,6 +96,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.pooling_params = pooling_params
         # The structured-output constraint's matcher, when sampling_params.structured_output is
         # set: it has accepted exactly output_token_ids (the scheduler advances it as tokens are
         # appended; a recompute after preemption replays tokens without touching it).
@@ -121,6 +128,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache look-up): prompt
+        logprobs need logits everywhere, MEAN and CLS pooling the hidden states."""
+        if self.pooling_params is not None:
+            return self.pooling_params.skips_prefix_cache
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:

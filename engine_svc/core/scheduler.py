@@ -10,6 +10,10 @@ A request with a structured-output grammar waits (WAITING_FOR_GRAMMAR) until the
 compiled, keeping its place in the queue while the requests behind it are admitted; one whose
 grammar does not compile finishes with an error (``take_errors``). Its matcher is advanced with
 each token appended here, and the request stops once the grammar has accepted its end.
+
+A pooling request is scheduled exactly like a prompt (same budget, chunks, blocks and prefix
+cache), samples nothing, and finishes (STOPPED, its blocks freed) in the update of the step that
+computed its last prompt token; the model runner pooled its hidden states in that step.
 """
 
 from __future__ import annotations
@@ -138,7 +142,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already in use")
-        if request.num_tokens >= self.config.max_model_len:
+        if request.is_pooling:  # prefill only: the whole context is the prompt's
+            if request.num_tokens > self.config.max_model_len:
+                raise ContextLengthError(
+                    f"prompt has {request.num_tokens} tokens; the model's context length is "
+                    f"{self.config.max_model_len}"
+                )
+        elif request.num_tokens >= self.config.max_model_len:
             raise ContextLengthError(
                 f"prompt has {request.num_tokens} tokens; the model's context length is "
                 f"{self.config.max_model_len} and at least one token must be generated"
@@ -311,7 +321,8 @@ class Scheduler:
 
         ``sampled`` maps request id -> token for requests whose step reached the end of their
         known tokens (a partial prefill chunk samples nothing). Returns requests that got a
-        token or finished this step, in schedule order.
+        token or finished this step, in schedule order: a pooling request once, when its last
+        prompt chunk was computed (it finishes STOPPED; the runner pooled it in this step).
         """
         touched: list[Request] = []
         for s in output.scheduled:
@@ -319,6 +330,12 @@ class Scheduler:
             if request.is_finished or request.status is RequestStatus.PREEMPTED:
                 continue  # aborted between schedule and update, or preempted by a later one
             request.num_computed_tokens += s.num_tokens
+            if request.pooling_params is not None:
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    self.running.remove(request)
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    touched.append(request)
+                continue
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -3,6 +3,8 @@
 from engine_svc import LLM, SamplingParams
 llm = LLM(model="/path/to/hf-checkpoint")
 outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+Pooling models add ``embed``, ``classify`` and ``score`` (``llm_pooling``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.entrypoints.llm_pooling import PoolingMixin
 
 PromptType = str | dict[str, Any]
 
@@ -58,8 +61,9 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-class LLM:
-    """Runs the engine in this process and generates for a batch of prompts."""
+class LLM(PoolingMixin):
+    """Runs the engine in this process and generates (or embeds, classifies, scores) for a
+    batch of prompts."""
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class LLM:
         pad_decode_batches: bool | None = None,
         seed: int = 0,
         served_model_name: str | None = None,
+        pooling_type: str | None = None,
     ) -> None:
         if model is None:
             from engine_svc.default_model import ensure_default_model
@@ -96,6 +101,7 @@ class LLM:
                 served_model_name=served_model_name,
                 seed=seed,
                 max_logprobs=max_logprobs,
+                pooling_type=pooling_type,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -6,6 +6,10 @@ The three architectures differ only in small switches read from the Hugging Face
     Qwen2   bias on q/k/v projections
     Qwen3   RMSNorm on each head of q and k before rotary (q_norm / k_norm)
 
+The same module serves the family's base models (no head: embeddings only) and sequence
+classifiers (``score``: hidden -> num_labels, no bias, on the final-norm state); see
+``models/tasks.py``.
+
 q/k/v and gate/up projections are fused into one matmul each; the loader splits checkpoint
 tensors into the fused weights.
 """
@@ -50,6 +54,8 @@ class DecoderSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], arch: str) -> DecoderSpec:
+        """``arch``: any architecture of the Llama, Qwen2 or Qwen3 family (its prefix decides)."""
+        family = next((f for f in ("Qwen2", "Qwen3", "Llama") if arch.startswith(f)), arch)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope = dict(cfg.get("rope_parameters") or {})
@@ -74,10 +80,10 @@ class DecoderSpec:
             rope=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch == "LlamaForCausalLM" and attention_bias,
+            qkv_bias=family == "Qwen2" or attention_bias,
+            o_bias=family == "Llama" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=family == "Qwen3",
         )
 
 
@@ -152,7 +158,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2ForCausalLM and Qwen3ForCausalLM (see the module docstring)."""
+    """Also serves Qwen2ForCausalLM and Qwen3ForCausalLM (see the module docstring), and their
+    base models (``lm_head=False``) and sequence classifiers (``num_labels`` > 0: a ``score``
+    head instead of ``lm_head``)."""
 
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     _FUSED = {
@@ -164,9 +172,15 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, spec: DecoderSpec, max_positions: int, kernels: Kernels | None = None
+        self,
+        spec: DecoderSpec,
+        max_positions: int,
+        kernels: Kernels | None = None,
+        lm_head: bool = True,
+        num_labels: int = 0,
     ) -> None:
-        """``kernels``: the engine's choice (``select_kernels``); the torch references if None."""
+        """``kernels``: the engine's choice (``select_kernels``); the torch references if None.
+        ``lm_head``: build the language-model head; ``num_labels``: build a classifier head."""
         super().__init__()
         kernels = kernels or Kernels(TorchAttention(), reference_norm_rope.rms_norm)
         self.spec = spec
@@ -184,9 +198,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(
             spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm, kernels.fused_add_rms_norm
         )
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head: nn.Linear | None = None
+        if lm_head:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            if spec.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+        self.score: nn.Linear | None = None
+        if num_labels:
+            self.score = nn.Linear(spec.hidden_size, num_labels, bias=False)
 
     def forward(
         self,
@@ -205,7 +224,13 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "this model has no language-model head"
         return self.lm_head(hidden)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The classifier head's logits, [rows, num_labels]."""
+        assert self.score is not None, "this model has no classifier head"
+        return self.score(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters, casting each to
@@ -229,8 +254,8 @@ class LlamaForCausalLM(nn.Module):
         name = name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name:
             return None
-        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-            return None
+        if name == "lm_head.weight" and (self.spec.tie_word_embeddings or self.lm_head is None):
+            return None  # tied to the embedding, or not used (an embedding model)
         shard = None
         for frag, (fused, index) in self._FUSED.items():
             if frag in name:

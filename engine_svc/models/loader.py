@@ -12,9 +12,17 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_svc.models.llama import DecoderSpec, LlamaForCausalLM
+from engine_svc.models.tasks import SUPPORTED_ARCHITECTURES, architecture_of, checkpoint_kind
 from kernels.attention_backends import Kernels
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "architecture_of",
+    "checkpoint_dtype",
+    "iter_safetensors",
+    "load_model",
+    "read_hf_config",
+]
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -23,17 +31,6 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
     cfg: dict[str, Any] = json.loads(path.read_text())
     return cfg
-
-
-def architecture_of(cfg: dict[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return str(arch)
-    raise ValueError(
-        f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str | None:
@@ -80,9 +77,10 @@ def load_model(
     ``device``. A parameter the checkpoint does not provide is an error, never left uninitialised.
     """
     cfg = read_hf_config(model_dir)
-    spec = DecoderSpec.from_hf_config(cfg, architecture_of(cfg))
+    kind = checkpoint_kind(model_dir, cfg)
+    spec = DecoderSpec.from_hf_config(cfg, kind.arch)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions, kernels)
+        model = LlamaForCausalLM(spec, max_positions, kernels, kind.lm_head, kind.num_labels)
     _materialise_empty(model, dtype, device)
     model.rotary_emb.init_tables(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

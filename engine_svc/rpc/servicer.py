@@ -26,6 +26,7 @@ import grpc
 
 from engine_svc.core.engine_core import ModelInfo
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
+from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_loop import ClientBatch, EngineLoop, QueueFull, Unavailable
 from engine_svc.rpc import convert
@@ -48,6 +49,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 _CHUNK = 1 << 20
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)  # what a pooling request carries (unused)
 _client_ids = itertools.count()
 
 
@@ -97,18 +99,30 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._open_calls: set[asyncio.Queue[Any]] = set()
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, add: pb.AddRequest) -> tuple[str, list[int], SamplingParams]:
-        """Raise ValueError naming the bad field; returns (id, prompt, SamplingParams)."""
+    def _validate(
+        self, add: pb.AddRequest
+    ) -> tuple[str, list[int], SamplingParams, PoolingParams | None]:
+        """Raise ValueError naming the bad field; returns (id, prompt, SamplingParams, the
+        checked PoolingParams of a pooling request or None). A pooling request's
+        sampling_params are ignored (the contract)."""
         if not add.request_id:
             raise ValueError("request_id must not be empty")
         prompt = list(add.prompt_token_ids)
+        if add.HasField("pooling_params"):
+            pooling = convert.pooling_params_from_pb(add.pooling_params)
+            return (
+                add.request_id,
+                prompt,
+                _POOLING_SAMPLING,
+                self.info.check_pooling(prompt, pooling),
+            )
         params = convert.sampling_params_from_pb(add.sampling_params, self.info.max_logprobs)
         self.info.check_request(prompt, params.max_tokens)
         self.info.check_params(params)
-        return add.request_id, prompt, params
+        return add.request_id, prompt, params, None
 
     def _submit(self, client: str, add: pb.AddRequest) -> None:
-        rid, prompt, params = self._validate(add)
+        rid, prompt, params, pooling = self._validate(add)
         self.loop.submit(
             client,
             rid,
@@ -116,6 +130,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             params,
             arrival_time=add.arrival_time or None,
             priority=add.priority,
+            pooling_params=pooling,
         )
 
     # ------------------------------------------------------------------ Stream

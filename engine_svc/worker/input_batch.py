@@ -55,6 +55,7 @@ class InputBatch:
         self.has_penalty = np.zeros(max_rows, dtype=bool)
         self.min_tokens = np.zeros(max_rows, dtype=np.int32)
         self.has_grammar = np.zeros(max_rows, dtype=bool)  # structured output: a matcher masks it
+        self.is_pooling = np.zeros(max_rows, dtype=bool)  # a pooling request: never samples
         self.has_allowed = np.zeros(max_rows, dtype=bool)  # allowed_token_ids: see allowed_mask
         self.has_bias = np.zeros(max_rows, dtype=bool)
         self.has_bad_words = np.zeros(max_rows, dtype=bool)
@@ -101,6 +102,7 @@ class InputBatch:
         self.has_penalty[row] = p.has_penalties
         self.min_tokens[row] = p.min_tokens
         self.has_grammar[row] = request.grammar is not None
+        self.is_pooling[row] = request.is_pooling
         if p.has_penalties:
             self._init_penalties(row, request)
         self.has_allowed[row] = p.allowed_token_ids is not None
@@ -154,6 +156,7 @@ class InputBatch:
             self.has_penalty,
             self.min_tokens,
             self.has_grammar,
+            self.is_pooling,
             self.has_allowed,
             self.has_bias,
             self.has_bad_words,

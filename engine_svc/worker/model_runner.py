@@ -5,6 +5,8 @@ the flattened inputs from it (``step_inputs``: decodes first, then multi-token c
 steps optionally padded to size buckets in static buffers), runs the model, computes logits only
 for rows that sample (and for prompt-logprob rows), masks the rows that have a structured-output
 grammar (``structured_output.bitmask``), and samples (``sampling_inputs``, ``sampler``).
+Pooling rows never sample: ``pooler`` turns their hidden states into embeddings or label scores
+in the step that computes their last prompt token.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from engine_svc import envs
@@ -29,6 +32,7 @@ from engine_svc.models.loader import (
 from engine_svc.structured_output.bitmask import GrammarBitmask
 from engine_svc.worker.device import resolve_device, resolve_dtype
 from engine_svc.worker.input_batch import InputBatch
+from engine_svc.worker.pooler import Pooler
 from engine_svc.worker.sampler import gather_logprobs, sample
 from engine_svc.worker.sampling_inputs import sampling_metadata
 from engine_svc.worker.step_inputs import StepBuffers, build_step, decode_buckets
@@ -44,6 +48,8 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
+    # Pooling requests whose last prompt chunk ran in this step: their result.
+    pooled: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -60,6 +66,7 @@ class ModelRunner:
             config.model.model, self.dtype, self.device, max_model_len, self.kernels
         )
         self.spec = self.model.spec
+        self.pooler = Pooler(self.model)
         self.layout = self._kv_layout()
         shape = (
             self.layout.num_blocks,
@@ -166,7 +173,10 @@ class ModelRunner:
             bool,
             len(step.batch),
         )
-        sampling = np.flatnonzero(reaching_end)
+        pooling = self.input_batch.is_pooling[step.rows]
+        if pooling.any():
+            out.pooled = self.pooler.pool(step, hidden, np.flatnonzero(pooling))
+        sampling = np.flatnonzero(reaching_end & ~pooling)
         if sampling.size:
             reqs = [step.batch[i].request for i in sampling]
             rows = step.rows[sampling]
@@ -196,8 +206,10 @@ class ModelRunner:
         for rid in so.finished_ids:
             batch.remove(rid)
             self.generators.pop(rid, None)
+            self.pooler.drop(rid)  # aborted mid-prompt: its partial MEAN / CLS state
         for rid in so.preempted_ids:
             batch.remove(rid)  # its generator stays: a seeded request resumes its stream
+            self.pooler.drop(rid)  # a pooling request recomputes its prompt from the start
         for s in so.scheduled:
             if s.admitted:
                 batch.add(s.request, s.block_ids)
