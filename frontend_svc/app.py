@@ -19,7 +19,7 @@ from frontend_svc.errors import ApiError, from_engine_error, from_http_status, u
 from frontend_svc.gateway_state import GatewayState
 from frontend_svc.limits import RequestLimitsMiddleware
 from frontend_svc.prompt_encoder import PromptEncoder
-from frontend_svc.routes import chat, completions, system, tokenize
+from frontend_svc.routes import chat, completions, pooling, scoring, system, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,14 @@ def build_app(config: FrontendConfig) -> Starlette:
         Route("/v1/models/{model:path}", system.retrieve_model, methods=["GET"]),
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
+        Route("/v1/embeddings", pooling.create_embedding, methods=["POST"]),
+        Route("/pooling", pooling.create_pooling, methods=["POST"]),
+        Route("/classify", pooling.create_classification, methods=["POST"]),
+        Route("/score", scoring.create_score, methods=["POST"]),
+        Route("/v1/score", scoring.create_score, methods=["POST"]),
+        Route("/rerank", scoring.rerank, methods=["POST"]),
+        Route("/v1/rerank", scoring.rerank, methods=["POST"]),
+        Route("/v2/rerank", scoring.rerank, methods=["POST"]),
         Route("/tokenize", tokenize.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize.detokenize, methods=["POST"]),
         Route("/health", system.health, methods=["GET"]),

@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from frontend_svc.tool_parsers import TOOL_PARSER_NAMES
 
@@ -142,6 +143,44 @@ def _env_flag(environ: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{ENV_PREFIX}{name}={value!r}: expected true or false")
 
 
+def _env_name(flag: str) -> str:
+    """``--max-body-bytes`` -> ``MAX_BODY_BYTES`` (read as ``TANDEM_MAX_BODY_BYTES``)."""
+    return flag.removeprefix("--").replace("-", "_").upper()
+
+
+def _option(
+    p: argparse.ArgumentParser,
+    env: Mapping[str, str],
+    flag: str,
+    default: object,
+    help: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """``flag``, defaulting to ``TANDEM_<FLAG>`` when that is set, else to ``default``. The
+    variable's text goes through the flag's ``type`` as if given on the command line (so a
+    bad value is a usage error naming the flag)."""
+    name = _env_name(flag)
+    where = f"env {ENV_PREFIX}{name}"
+    p.add_argument(
+        flag,
+        default=_env(env, name, None) or default,
+        help=f"{help} ({where})" if help else where,
+        **kwargs,
+    )
+
+
+def _flag(p: argparse.ArgumentParser, env: Mapping[str, str], flag: str, help: str) -> None:
+    """An on/off ``flag``, on by default when ``TANDEM_<FLAG>`` is true (1/true/yes/on)."""
+    name = _env_name(flag)
+    try:
+        default = _env_flag(env, name)
+    except ValueError as e:
+        p.error(str(e))
+    p.add_argument(
+        flag, action="store_true", default=default, help=f"{help} (env {ENV_PREFIX}{name}=true)"
+    )
+
+
 def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Flags of ``python -m frontend_svc``; each default comes from ``TANDEM_<FLAG>`` if set."""
     env = os.environ if environ is None else environ
@@ -150,133 +189,136 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         prog="python -m frontend_svc",
         description="Tandem gateway: OpenAI-compatible HTTP API in front of a Tandem engine.",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--engine",
-        default=_env(env, "ENGINE", d.engine_address),
-        help="engine gRPC address HOST:PORT, several separated by commas, or dns:///NAME:PORT "
-        "(every address NAME resolves to, looked up again periodically) (env TANDEM_ENGINE)",
+        d.engine_address,
+        "engine gRPC address HOST:PORT, several separated by commas, or dns:///NAME:PORT "
+        "(every address NAME resolves to, looked up again periodically)",
     )
-    p.add_argument("--host", default=_env(env, "HOST", d.host), help="env TANDEM_HOST")
-    p.add_argument("--port", type=int, default=int(_env(env, "PORT", str(d.port)) or d.port))
-    p.add_argument(
-        "--api-key",
-        default=_env(env, "API_KEY", None),
-        help="require 'Authorization: Bearer KEY' (env TANDEM_API_KEY)",
+    _option(p, env, "--host", d.host)
+    _option(p, env, "--port", d.port, type=int)
+    _option(p, env, "--api-key", None, "require 'Authorization: Bearer KEY'")
+    _option(
+        p, env, "--served-model-name", None, "model name exposed by the API; default: the engine's"
     )
-    p.add_argument(
-        "--served-model-name",
-        default=_env(env, "SERVED_MODEL_NAME", None),
-        help="model name exposed by the API; default: the engine's (env TANDEM_SERVED_MODEL_NAME)",
-    )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--reconnect-max-s",
+        d.backoff.max_s,
+        "longest wait between engine reconnection attempts",
         type=float,
-        default=float(_env(env, "RECONNECT_MAX_S", str(d.backoff.max_s)) or d.backoff.max_s),
-        help="longest wait between engine reconnection attempts (env TANDEM_RECONNECT_MAX_S)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--retry-after-s",
+        d.retry_after_s,
+        "Retry-After seconds sent with 429 responses",
         type=int,
-        default=int(_env(env, "RETRY_AFTER_S", str(d.retry_after_s)) or d.retry_after_s),
-        help="Retry-After seconds sent with 429 responses (env TANDEM_RETRY_AFTER_S)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--engine-resolve-interval",
+        d.routing.resolve_interval_s,
+        "seconds between DNS lookups of dns:/// engines",
         type=float,
-        default=float(_env(env, "ENGINE_RESOLVE_INTERVAL", "") or d.routing.resolve_interval_s),
-        help="seconds between DNS lookups of dns:/// engines (env TANDEM_ENGINE_RESOLVE_INTERVAL)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--prefix-affinity-min-tokens",
+        d.routing.affinity_min_tokens,
+        "send a request to the engine that saw its prompt prefix when at least this many "
+        "tokens match; 0 turns affinity off",
         type=int,
-        default=int(_env(env, "PREFIX_AFFINITY_MIN_TOKENS", "") or d.routing.affinity_min_tokens),
-        help="send a request to the engine that saw its prompt prefix when at least this many "
-        "tokens match; 0 turns affinity off (env TANDEM_PREFIX_AFFINITY_MIN_TOKENS)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--prefix-affinity-max-imbalance",
+        d.routing.affinity_max_imbalance,
+        "prefix affinity yields to the least-loaded engine once the affine one carries this "
+        "many more requests",
         type=int,
-        default=int(
-            _env(env, "PREFIX_AFFINITY_MAX_IMBALANCE", "") or d.routing.affinity_max_imbalance
-        ),
-        help="prefix affinity yields to the least-loaded engine once the affine one carries this "
-        "many more requests (env TANDEM_PREFIX_AFFINITY_MAX_IMBALANCE)",
     )
-    p.add_argument("--tls-ca", default=_env(env, "TLS_CA", None), help="PEM CA of the engines")
-    p.add_argument(
-        "--tls-cert", default=_env(env, "TLS_CERT", None), help="PEM client certificate (mTLS)"
-    )
-    p.add_argument("--tls-key", default=_env(env, "TLS_KEY", None), help="PEM client key (mTLS)")
-    p.add_argument(
+    _option(p, env, "--tls-ca", None, "PEM CA of the engines")
+    _option(p, env, "--tls-cert", None, "PEM client certificate (mTLS)")
+    _option(p, env, "--tls-key", None, "PEM client key (mTLS)")
+    _option(
+        p,
+        env,
         "--tls-server-name",
-        default=_env(env, "TLS_SERVER_NAME", None),
-        help="name to verify in the engine certificate (default: the host of --engine)",
+        None,
+        "name to verify in the engine certificate (default: the host of --engine)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--max-body-bytes",
+        d.limits.max_body_bytes,
+        "largest request body; bigger ones get 413",
         type=int,
-        default=int(_env(env, "MAX_BODY_BYTES", "") or d.limits.max_body_bytes),
-        help="largest request body; bigger ones get 413 (env TANDEM_MAX_BODY_BYTES)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--max-header-bytes",
+        d.limits.max_header_bytes,
+        "largest request head (all headers); bigger ones get 431",
         type=int,
-        default=int(_env(env, "MAX_HEADER_BYTES", "") or d.limits.max_header_bytes),
-        help="largest request head (all headers); bigger ones get 431 "
-        "(env TANDEM_MAX_HEADER_BYTES)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--tokenizer-threads",
+        d.limits.tokenizer_threads,
+        "threads that tokenize big prompts off the event loop",
         type=int,
-        default=int(_env(env, "TOKENIZER_THREADS", "") or d.limits.tokenizer_threads),
-        help="threads that tokenize big prompts off the event loop (env TANDEM_TOKENIZER_THREADS)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--workers",
+        d.workers,
+        "gateway processes serving the one port, each with its own engine streams; with "
+        "more than one, a supervisor restarts any that dies",
         type=int,
-        default=_env(env, "WORKERS", str(d.workers)),  # a string default goes through type=int
-        help="gateway processes serving the one port, each with its own engine streams; with "
-        "more than one, a supervisor restarts any that dies (env TANDEM_WORKERS)",
     )
-    p.add_argument(
+    _option(
+        p,
+        env,
         "--tool-call-parser",
-        default=_env(env, "TOOL_CALL_PARSER", None),
-        choices=TOOL_PARSER_NAMES,
-        help="format of the model's tool calls, read back into tool_calls for tool_choice 'auto' "
+        None,
+        "format of the model's tool calls, read back into tool_calls for tool_choice 'auto' "
         "(hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama 3.x JSON; pythonic: Llama 3.2/4 "
-        "Python-style lists) (env TANDEM_TOOL_CALL_PARSER)",
+        "Python-style lists)",
+        choices=TOOL_PARSER_NAMES,
     )
-    try:
-        auto_tool_choice = _env_flag(env, "ENABLE_AUTO_TOOL_CHOICE")
-    except ValueError as e:
-        p.error(str(e))
-    p.add_argument(
+    _flag(
+        p,
+        env,
         "--enable-auto-tool-choice",
-        action="store_true",
-        default=auto_tool_choice,
-        help="allow tool_choice 'auto' (the default when a request has tools); needs "
-        "--tool-call-parser, as in vLLM (env TANDEM_ENABLE_AUTO_TOOL_CHOICE=true)",
+        "allow tool_choice 'auto' (the default when a request has tools); needs "
+        "--tool-call-parser, as in vLLM",
     )
-    try:
-        as_ids = _env_flag(env, "RETURN_TOKENS_AS_TOKEN_IDS")
-        force_usage = _env_flag(env, "ENABLE_FORCE_INCLUDE_USAGE")
-    except ValueError as e:
-        p.error(str(e))
-    p.add_argument(
+    _flag(
+        p,
+        env,
         "--return-tokens-as-token-ids",
-        action="store_true",
-        default=as_ids,
-        help="write logprob tokens as 'token_id:N' unless a request says otherwise "
-        "(return_tokens_as_token_ids) (env TANDEM_RETURN_TOKENS_AS_TOKEN_IDS=true)",
+        "write logprob tokens as 'token_id:N' unless a request says otherwise "
+        "(return_tokens_as_token_ids)",
     )
-    p.add_argument(
+    _flag(
+        p,
+        env,
         "--enable-force-include-usage",
-        action="store_true",
-        default=force_usage,
-        help="end every stream with a usage chunk, as if it asked for "
-        "stream_options.include_usage (env TANDEM_ENABLE_FORCE_INCLUDE_USAGE=true)",
+        "end every stream with a usage chunk, as if it asked for stream_options.include_usage",
     )
-    p.add_argument("--log-level", default=_env(env, "LOG_LEVEL", d.log_level))
+    _option(p, env, "--log-level", d.log_level)
     return p
 
 

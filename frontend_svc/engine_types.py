@@ -6,6 +6,7 @@ Nothing here knows about gRPC or HTTP; the routes and the output processing work
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -82,15 +83,37 @@ class EngineSamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
 
 
+class PoolingTask(enum.Enum):
+    """What a pooling request computes (the contract's PoolingTask); the value is vLLM's task
+    name, as in ModelInfo.supported_tasks."""
+
+    EMBED = "embed"
+    CLASSIFY = "classify"
+    SCORE = "score"
+
+
+@dataclass(frozen=True)
+class EnginePoolingParams:
+    """A pooling request's parameters (the contract's PoolingParams); ``None``: the engine's
+    default (normalize and activation: on; dimensions: all)."""
+
+    task: PoolingTask
+    dimensions: int | None = None  # embed only (Matryoshka)
+    normalize: bool | None = None  # embed only
+    activation: bool | None = None  # classify / score only
+
+
 @dataclass(frozen=True)
 class EngineRequest:
-    """One sequence to generate."""
+    """One sequence to generate, or with ``pooling_params`` one prompt to pool (its
+    ``sampling_params`` are then ignored)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: EngineSamplingParams
     priority: int = 0
     arrival_time: float = 0.0  # Unix seconds; 0: the engine stamps it
+    pooling_params: EnginePoolingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,9 @@ class EngineOutput:
     queued_time_s: float | None = None
     prefill_time_s: float | None = None
     decode_time_s: float | None = None
+    # A pooling request's result, in its one (final) output: the embedding, one value per
+    # label, or the score, as float32 values. None for generation.
+    pooled: array[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -155,6 +181,13 @@ class ModelInfo:
     engine_version: str = ""
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = ""
+    # What the model serves, in vLLM's task names ("generate", "embed", "classify", "score").
+    supported_tasks: tuple[str, ...] = ("generate",)
+    embedding_size: int = 0  # 0 unless "embed" is served
+    pooling_type: str = ""  # LAST, MEAN or CLS when "embed" is served
+    is_matryoshka: bool = False  # dimensions accepted
+    matryoshka_dimensions: tuple[int, ...] = ()  # the ones accepted; empty: any up to the size
+    labels: tuple[str, ...] = ()  # the classifier's labels, in output order
 
 
 @dataclass(frozen=True)

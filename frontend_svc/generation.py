@@ -1,8 +1,10 @@
-"""Runs the engine requests behind one API call: n sequences per prompt, merged into one stream.
+"""Runs the engine requests behind one API call: n sequences per prompt, merged into one stream;
+or one pooling request per input, collected in order.
 
 Each sequence is one engine request. Their deltas are merged in arrival order; closing the merged
 stream cancels every sequence, which closes its engine generator and so aborts it on the engine.
-A call with one sequence streams it directly, with no merge task or queue.
+A call with one sequence streams it directly, with no merge task or queue. Pooling inputs run
+concurrently, a bounded number at a time (``pool``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from frontend_svc.engine_pool import EnginePool
-from frontend_svc.engine_types import EngineRequest, TokenLogprob
+from frontend_svc.engine_types import (
+    EngineErrorCode,
+    EngineOutput,
+    EnginePoolingParams,
+    EngineRequest,
+    EngineRequestError,
+    EngineSamplingParams,
+    EngineUnavailableError,
+    TokenLogprob,
+)
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.gateway_state import GatewayState
 from frontend_svc.metrics import Metrics
@@ -158,6 +169,65 @@ async def _run_sequence(
             yield delta
             if delta.finish_reason is not None:
                 return  # a stop string ends it early: leaving aborts the engine request
+
+
+# At most this many engine requests of one pooling call run at once: a call with 2048 inputs
+# must not fill the engine's waiting queue (1024 by default) and be refused as "queue full".
+POOLING_MAX_IN_FLIGHT = 256
+_NO_SAMPLING = EngineSamplingParams()
+
+
+async def pool(
+    state: GatewayState,
+    request_id: str,
+    prompts: Sequence[Sequence[int]],
+    params: EnginePoolingParams,
+    priority: int = 0,
+) -> list[EngineOutput]:
+    """Pool every prompt (one engine request each, ids ``{request_id}-{i}``) and return their
+    final outputs in prompt order, each with its ``pooled`` result.
+
+    At most ``POOLING_MAX_IN_FLIGHT`` run at once. The first failure is raised and aborts every
+    request still running; so does cancelling the call (a client that went away).
+    """
+    engines, metrics, arrival = state.engines, state.metrics, time.time()
+
+    def request(i: int) -> EngineRequest:
+        ids = tuple(prompts[i])
+        return EngineRequest(f"{request_id}-{i}", ids, _NO_SAMPLING, priority, arrival, params)
+
+    if len(prompts) == 1:  # nearly every call: no task
+        return [await _pool_one(engines, metrics, request(0))]
+    results: list[EngineOutput | None] = [None] * len(prompts)
+    pending = iter(range(len(prompts)))
+
+    async def worker() -> None:
+        for i in pending:  # shared: each index is taken once
+            results[i] = await _pool_one(engines, metrics, request(i))
+
+    n = min(len(prompts), POOLING_MAX_IN_FLIGHT)
+    workers = [asyncio.ensure_future(worker()) for _ in range(n)]
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for w in workers:  # after a failure or a cancellation: closing them aborts the rest
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return [r for r in results if r is not None]
+
+
+async def _pool_one(engines: EnginePool, metrics: Metrics, request: EngineRequest) -> EngineOutput:
+    timer = metrics.sequence(len(request.prompt_token_ids))
+    final: EngineOutput | None = None
+    async with contextlib.aclosing(engines.generate(request)) as outputs:
+        async for out in outputs:  # one output: the final one (an abort is raised by the pool)
+            final = out
+    if final is None or final.finish_reason is None:
+        raise EngineUnavailableError("the engine ended the pooling request without a result")
+    if final.pooled is None:
+        raise EngineRequestError(EngineErrorCode.INTERNAL, "The engine returned no pooled result.")
+    timer.observe(final, final.finish_reason.value)
+    return final
 
 
 _DONE = object()

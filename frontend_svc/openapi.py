@@ -1,296 +1,188 @@
-"""The OpenAPI document served at /openapi.json (hand-written; request bodies are summarized)."""
+"""The OpenAPI document served at /openapi.json.
+
+Request bodies are the JSON schemas of the request models themselves (``frontend_svc.protocol``:
+the ranges and rules the server enforces), their definitions hoisted into
+``components/schemas``; responses are summarized. Paths come from :data:`OPERATIONS`: a route
+is documented by one entry there.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.protocol import (
-    MAX_BAD_WORD_CHARS,
-    MAX_BAD_WORDS,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from frontend_svc.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from frontend_svc.protocol.models import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+
+REF = "#/components/schemas/{model}"
+_ERROR = {"$ref": REF.format(model="ErrorResponse")}
+ERROR_TEXT = {
+    400: "Invalid parameter, unparseable JSON, or context length exceeded "
+    "(code `context_length_exceeded`)",
+    401: "Missing or bad API key",
+    404: "Unknown model",
+    413: "Request body over --max-body-bytes (code `request_too_large`)",
+    415: "Content-Type is not application/json",
+    429: "Engine queue full (see Retry-After)",
+    431: "Request headers over --max-header-bytes",
+    503: "Engine unavailable (see Retry-After)",
+}
+# What any route with a JSON body can answer (401 is added where a key is required).
+JSON_BODY_ERRORS = (400, 404, 413, 415, 431, 503)
+GENERATION_ERRORS = (*JSON_BODY_ERRORS, 429)
+OK: dict[str, Any] = {"description": "OK"}
+STREAMABLE_OK: dict[str, Any] = {
+    "description": "A JSON response, or with stream=true an SSE stream of chunks ending in "
+    "`data: [DONE]`",
+    "content": {
+        "application/json": {"schema": {"type": "object"}},
+        # each event (as OpenAPI 3.2's itemSchema has it): a JSON chunk, "[DONE]" last
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+            }
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One documented route. ``body``: the request model of a JSON body; ``public``: served
+    without the API key (probes, this document); ``path_params``: names in ``{...}``."""
+
+    path: str
+    method: str
+    summary: str
+    body: type[BaseModel] | None = None
+    errors: tuple[int, ...] = ()
+    ok: dict[str, Any] | None = None
+    public: bool = False
+    path_params: tuple[str, ...] = ()
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("/v1/models", "get", "List the served model", errors=(503,)),
+    Operation(
+        "/v1/models/{model}",
+        "get",
+        "Retrieve a served model",
+        errors=(404, 503),
+        path_params=("model",),
+    ),
+    Operation(
+        "/v1/completions",
+        "post",
+        "Create a completion",
+        CompletionBody,
+        GENERATION_ERRORS,
+        ok=STREAMABLE_OK,
+    ),
+    Operation(
+        "/v1/chat/completions",
+        "post",
+        "Create a chat completion",
+        ChatBody,
+        GENERATION_ERRORS,
+        ok=STREAMABLE_OK,
+    ),
+    Operation("/tokenize", "post", "Tokenize a prompt or chat", TokenizeBody, JSON_BODY_ERRORS),
+    Operation("/detokenize", "post", "Detokenize token ids", DetokenizeBody, JSON_BODY_ERRORS),
+    Operation("/v1/embeddings", "post", "Create embeddings", EmbeddingRequest, GENERATION_ERRORS),
+    Operation("/pooling", "post", "Pool hidden states (vLLM)", PoolingRequest, GENERATION_ERRORS),
+    Operation(
+        "/classify", "post", "Classify texts (vLLM)", ClassificationRequest, GENERATION_ERRORS
+    ),
+    *(
+        Operation(path, "post", "Score text pairs (vLLM)", ScoreRequest, GENERATION_ERRORS)
+        for path in ("/score", "/v1/score")
+    ),
+    *(
+        Operation(path, "post", "Rerank documents", RerankRequest, GENERATION_ERRORS)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+    ),
+    Operation("/health", "get", "Engine connected", errors=(503,), public=True),
+    Operation("/live", "get", "Process alive", public=True),
+    Operation("/metrics", "get", "Prometheus metrics", public=True),
+    Operation("/version", "get", "Gateway version"),
+    Operation("/openapi.json", "get", "This document", public=True),
 )
 
-_ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
+
+def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
+    """The document; ``api_key``: the server checks a bearer key (only then is the security
+    scheme declared, so clients and fuzzers do not expect a 401 a keyless server never sends)."""
+    bodies, definitions = copy.deepcopy(_body_schemas())  # the cached ones stay untouched
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        codes = sorted({*op.errors, *(() if op.public or not api_key else (401,))})
+        spec: dict[str, Any] = {
+            "summary": op.summary,
+            "responses": {"200": op.ok or OK, **{str(c): _error(c) for c in codes}},
+        }
+        if op.path_params:
+            spec["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                for name in op.path_params
+            ]
+        if op.body is not None:
+            spec["requestBody"] = {"required": True, **_json(bodies[op.body])}
+        if api_key and op.public:
+            spec["security"] = []
+        paths.setdefault(op.path, {})[op.method] = spec
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Tandem gateway (OpenAI-compatible)", "version": version},
+        "components": {"schemas": {**definitions, "ErrorResponse": _ERROR_RESPONSE}},
+        "paths": paths,
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+@functools.cache
+def _body_schemas() -> tuple[dict[type[BaseModel], dict[str, Any]], dict[str, Any]]:
+    """Each request model's ``$ref``, and every schema they define, by component name (pydantic
+    names them after the classes and keeps them apart when two share a name)."""
+    models = list(dict.fromkeys(op.body for op in OPERATIONS if op.body is not None))
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    return {m: refs[(m, "validation")] for m in models}, defs.get("$defs", {})
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    text = {
-        400: "Invalid parameter, unparseable JSON, or context length exceeded "
-        "(code `context_length_exceeded`)",
-        401: "Missing or bad API key",
-        404: "Unknown model",
-        413: "Request body over --max-body-bytes (code `request_too_large`)",
-        415: "Content-Type is not application/json",
-        429: "Engine queue full (see Retry-After)",
-        431: "Request headers over --max-header-bytes",
-        503: "Engine unavailable (see Retry-After)",
-    }
-    return {str(c): {"description": text[c], **_json(_ERROR)} for c in codes}
+def _error(code: int) -> dict[str, Any]:
+    return {"description": ERROR_TEXT[code], **_json(_ERROR)}
 
 
 def _object(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
 
 
-_STR = {"type": "string"}
-_INT = {"type": "integer"}
-_NUM = {"type": "number"}
-_BOOL = {"type": "boolean"}
-_TOKENS = {"type": "array", "items": _INT}
-_STOP_STR = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
-_STOP = {"oneOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "maxItems": MAX_STOP_STRINGS}]}
-# continuous_usage_stats: usage on every chunk too (counted per choice), with include_usage.
-_STREAM_OPTIONS = _object([], include_usage=_BOOL, continuous_usage_stats=_BOOL)
-_SAMPLING: dict[str, dict[str, Any]] = {
-    "n": _INT,
-    "stop": _STOP,
-    "stream": _BOOL,
-    "stream_options": _STREAM_OPTIONS,
-    "temperature": _NUM,
-    "top_p": _NUM,
-    "top_k": _INT,
-    "min_p": _NUM,
-    "seed": _INT,
-    "presence_penalty": _NUM,
-    "frequency_penalty": _NUM,
-    "repetition_penalty": _NUM,
-    "min_tokens": _INT,
-    "ignore_eos": _BOOL,
-    "stop_token_ids": _TOKENS,
-    "include_stop_str_in_output": _BOOL,
-    "skip_special_tokens": _BOOL,
-    # Structured outputs (at most one): OpenAI's, vLLM's, and vLLM's older names.
-    "response_format": _object(["type"], type={"enum": ["text", "json_object", "json_schema"]}),
-    "structured_outputs": _object(
-        [],
-        json={"oneOf": [{"type": "object"}, _STR]},
-        regex=_STR,
-        choice={"type": "array", "items": _STR, "minItems": 1},
-        grammar=_STR,
-        json_object=_BOOL,
-    ),
-    "guided_json": {"oneOf": [{"type": "object"}, _STR]},
-    "guided_regex": _STR,
-    "guided_choice": {"type": "array", "items": _STR, "minItems": 1},
-    "guided_grammar": _STR,
-    # Token-level constraints (vLLM's), applied before penalties and temperature; token ids must
-    # be in the model's vocabulary.
-    "logit_bias": {
-        "type": "object",
-        "propertyNames": {"pattern": "^[0-9]+$"},
-        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-    },
-    "allowed_token_ids": {**_TOKENS, "minItems": 1},
-    "bad_words": {
-        "type": "array",
-        "items": {"type": "string", "pattern": "\\S", "maxLength": MAX_BAD_WORD_CHARS},
-        "maxItems": MAX_BAD_WORDS,
-    },
-    # Keep the last k prompt tokens; -1: as many as fit (0 is refused).
-    "truncate_prompt_tokens": {"type": "integer", "minimum": -1, "not": {"const": 0}},
-    # vLLM's: the logprobs of every prompt token (choices[].prompt_logprobs in completions, a
-    # top-level prompt_logprobs in chat), with this many likeliest alternatives each.
-    "prompt_logprobs": _INT,
-    # vLLM's: the prompt's and the output's token ids (prompt_token_ids, token_ids).
-    "return_token_ids": _BOOL,
-    # vLLM's: logprob tokens written "token_id:N" (default: --return-tokens-as-token-ids).
-    "return_tokens_as_token_ids": _BOOL,
-}
-# Tool calling (frontend_svc.tools); null stands for "not given" wherever the gateway takes it.
-_FUNCTION_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
-_TOOL = _object(
-    ["function"],
-    type={"enum": ["function"]},
-    function=_object(
-        ["name"],
-        name=_FUNCTION_NAME,
-        description={"type": ["string", "null"]},
-        parameters={"type": ["object", "null"]},
-        strict={"type": ["boolean", "null"]},
+_ERROR_RESPONSE = _object(
+    ["error"],
+    error=_object(
+        ["message", "type"],
+        message={"type": "string"},
+        type={"type": "string"},
+        param={"type": ["string", "null"]},
+        code={"type": ["string", "integer", "null"]},
     ),
 )
-_TOOLS = {"type": ["array", "null"], "items": _TOOL}
-_TOOL_CHOICE = {
-    "oneOf": [
-        {"enum": ["none", "auto", "required", None]},
-        _object(
-            ["type", "function"],
-            type={"enum": ["function"]},
-            function=_object(["name"], name=_FUNCTION_NAME),
-        ),
-    ]
-}
-_MESSAGE_TOOL_CALL = _object(
-    ["function"],
-    id={"type": ["string", "null"]},
-    type={"enum": ["function"]},
-    function=_object(
-        ["name"],
-        name=_STR,
-        # JSON text (parsed for the template), or already an object; null or "": {}
-        arguments={"type": ["string", "object", "array", "null"]},
-    ),
-)
-_GENERATION_RESPONSES = {
-    "200": {
-        "description": "A JSON response, or with stream=true an SSE stream of chunks "
-        "ending in `data: [DONE]`",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": _STR},
-        },
-    },
-    **_errors(400, 401, 404, 413, 415, 429, 431, 503),
-}
-_JSON_BODY_ERRORS = _errors(400, 401, 404, 413, 415, 431, 503)
-
-
-def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
-    """The document; ``api_key``: the server checks a bearer key (only then is the security
-    scheme declared, so clients and fuzzers do not expect a 401 a keyless server never sends)."""
-    doc = copy.deepcopy(_document(version))  # it shares module-level parts: never edit those
-    if not api_key:
-        del doc["components"]["securitySchemes"], doc["security"]
-        for path in doc["paths"].values():
-            for op in path.values():
-                op.pop("security", None)
-                op["responses"].pop("401", None)
-    return doc
-
-
-def _document(version: str) -> dict[str, Any]:
-    completion = _object(
-        ["model", "prompt"],
-        model=_STR,
-        prompt={
-            "oneOf": [
-                _STR,
-                {"type": "array", "items": _STR},
-                _TOKENS,
-                {"type": "array", "items": _TOKENS},
-            ]
-        },
-        # 0 only with echo: the prompt is scored, nothing generated.
-        max_tokens={"type": "integer", "minimum": 0, "default": 16},
-        echo=_BOOL,
-        logprobs=_INT,
-        **_SAMPLING,
-    )
-    message = _object(
-        ["role"],
-        role={"type": "string", "minLength": 1},  # any role: the chat template decides
-        content={"oneOf": [_STR, {"type": "array"}, {"type": "null"}]},
-        name={"type": ["string", "null"]},
-        tool_calls={"type": ["array", "null"], "items": _MESSAGE_TOOL_CALL},
-        tool_call_id={"type": ["string", "null"]},
-    )
-    chat = _object(
-        ["model", "messages"],
-        model=_STR,
-        messages={"type": "array", "items": message},
-        max_completion_tokens=_INT,
-        max_tokens=_INT,
-        logprobs=_BOOL,
-        top_logprobs=_INT,
-        add_generation_prompt=_BOOL,
-        # The prompt ends inside the last message, which the reply continues (needs
-        # add_generation_prompt false); echo: the reply starts with the last message's content
-        # when its role is the reply's.
-        continue_final_message=_BOOL,
-        echo=_BOOL,
-        chat_template_kwargs={"type": "object"},
-        tools=_TOOLS,
-        tool_choice=_TOOL_CHOICE,
-        parallel_tool_calls={"type": ["boolean", "null"]},
-        **_SAMPLING,
-    )
-    tokenize = _object(
-        [],
-        model=_STR,
-        prompt=_STR,
-        messages={"type": "array", "items": message},
-        add_special_tokens=_BOOL,
-        add_generation_prompt=_BOOL,
-        continue_final_message=_BOOL,
-        chat_template_kwargs={"type": "object"},
-        tools=_TOOLS,
-        return_token_strs=_BOOL,
-    )
-    detokenize = _object(["tokens"], model=_STR, tokens=_TOKENS)
-    ok = {"description": "OK"}
-
-    def post(summary: str, body: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {"required": True, **_json(body)},
-                "responses": responses,
-            }
-        }
-
-    def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
-        return {"get": {"summary": summary, "responses": responses}}
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "Tandem gateway (OpenAI-compatible)", "version": version},
-        "components": {
-            "schemas": {
-                "ErrorResponse": _object(
-                    ["error"],
-                    error=_object(
-                        ["message", "type"],
-                        message=_STR,
-                        type=_STR,
-                        param={"type": ["string", "null"]},
-                        code={"type": ["string", "integer", "null"]},
-                    ),
-                ),
-            },
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
-        "paths": {
-            "/v1/models": get("List the served model", {"200": ok, **_errors(401, 503)}),
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "Retrieve a served model",
-                    "parameters": [
-                        {"name": "model", "in": "path", "required": True, "schema": _STR}
-                    ],
-                    "responses": {"200": ok, **_errors(401, 404, 503)},
-                }
-            },
-            "/v1/completions": post("Create a completion", completion, _GENERATION_RESPONSES),
-            "/v1/chat/completions": post("Create a chat completion", chat, _GENERATION_RESPONSES),
-            "/tokenize": post(
-                "Tokenize a prompt or chat", tokenize, {"200": ok, **_JSON_BODY_ERRORS}
-            ),
-            "/detokenize": post(
-                "Detokenize token ids", detokenize, {"200": ok, **_JSON_BODY_ERRORS}
-            ),
-            "/health": {
-                "get": {
-                    "summary": "Engine connected",
-                    "security": [],
-                    "responses": {"200": ok, **_errors(503)},
-                }
-            },
-            "/live": {
-                "get": {"summary": "Process alive", "security": [], "responses": {"200": ok}}
-            },
-            "/metrics": {
-                "get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": ok}}
-            },
-            "/version": get("Gateway version", {"200": ok}),
-            "/openapi.json": {
-                "get": {"summary": "This document", "security": [], "responses": {"200": ok}}
-            },
-        },
-    }

@@ -59,8 +59,8 @@ class OutputCollector:
 
 def merge_outputs(outputs: list[EngineOutput]) -> EngineOutput:
     """Consecutive outputs of one request as one: tokens and logprobs in order, the prompt
-    logprobs of the first, the finish reason and figures of the last (the phase times of the
-    last that has them)."""
+    logprobs of the first, the finish reason, figures and pooled result of the last (the phase
+    times of the last that has them)."""
     first, last = outputs[0], outputs[-1]
     timed = next((o for o in reversed(outputs) if o.queued_time_s is not None), last)
     token_ids: list[int] = []
@@ -80,4 +80,5 @@ def merge_outputs(outputs: list[EngineOutput]) -> EngineOutput:
         queued_time_s=timed.queued_time_s,
         prefill_time_s=timed.prefill_time_s,
         decode_time_s=last.decode_time_s,
+        pooled=last.pooled,
     )

@@ -2,7 +2,8 @@
 // A Node.js client of the Tandem engine, built from the .proto alone (loaded at run time).
 //
 //   node client.js [--address HOST:PORT] [--json] [--tls-ca F [--tls-cert F --tls-key F]] \
-//        info | generate --prompt 1,2,3 [...] | abort --prompt 1,2,3 [--after N] [...]
+//        info | generate --prompt 1,2,3 [...] | abort --prompt 1,2,3 [--after N] [...] \
+//        | embed --prompt 1,2,3 [--dimensions N] [--no-normalize]
 //
 // Field names are the proto's own (keepCase), enums are their names ("FINISH_REASON_ABORT").
 // With --json every event is one JSON object per line on stdout, errors included; the exit
@@ -26,6 +27,7 @@ commands:
   info                      GetModelInfo: model name, limits, vocab size, EOS ids, KV capacity
   generate                  Generate: stream the sampled token ids as they come
   abort                     Generate, then Abort it by request id after --after tokens
+  embed                     Generate with pooling_params (task EMBED): the prompt's embedding
 
 options:
   --address HOST:PORT       engine address (default 127.0.0.1:50051, or $TANDEM_ENGINE_ADDRESS)
@@ -47,6 +49,12 @@ generate / abort options:
   --ignore-eos              keep generating past EOS
   --request-id ID           client-chosen request id (default: the engine assigns one)
   --after N                 abort only: tokens to receive before calling Abort (default 4)
+
+embed options:
+  --prompt IDS              prompt token ids, comma-separated (required)
+  --dimensions N            keep the first N values (Matryoshka models only)
+  --no-normalize            the pooled hidden state as is (default: L2-normalized)
+  --request-id ID           client-chosen request id (default: the engine assigns one)
 
 Ctrl-C during a stream cancels the call, which aborts the request in the engine.`;
 
@@ -135,6 +143,23 @@ function generateRequest(opts, defaultMaxTokens) {
   };
 }
 
+// The GenerateRequest for embed: a pooling request (pooling_params set, sampling_params unset).
+function embedRequest(opts) {
+  if (opts.prompt === undefined) throw new UsageError("--prompt is required");
+  const params = { task: "POOLING_TASK_EMBED" };
+  if (opts.dimensions !== undefined) {
+    params.dimensions = parseNumber(opts.dimensions, "--dimensions", { integer: true });
+  }
+  if (opts["no-normalize"]) params.normalize = false;
+  return {
+    request: {
+      request_id: opts["request-id"] ?? "",
+      prompt_token_ids: parseIds(opts.prompt, "--prompt"),
+      pooling_params: params,
+    },
+  };
+}
+
 function deadline(opts, fallbackSeconds) {
   const seconds =
     opts.timeout !== undefined ? parseNumber(opts.timeout, "--timeout") : fallbackSeconds;
@@ -208,6 +233,11 @@ async function info(client, opts, out) {
     ["max_logprobs", reply.max_logprobs],
     ["model_source", reply.model_source],
     ["engine_version", reply.engine_version],
+    ["supported_tasks", JSON.stringify(reply.supported_tasks)],
+    ["embedding_size", reply.embedding_size],
+    ["pooling_type", reply.pooling_type || "(none)"],
+    ["is_matryoshka", reply.is_matryoshka],
+    ["labels", JSON.stringify(reply.labels)],
   ];
   const text = rows.map(([k, v]) => `${k.padEnd(20)} ${v}\n`).join("");
   // Drop protobufjs' synthetic oneof markers ("_bos_token_id") from the JSON line.
@@ -313,7 +343,33 @@ async function abort(client, opts, out) {
   return 0;
 }
 
-const COMMANDS = { info, generate, abort };
+// A pooling request gets exactly one GenerateResponse: the final output, carrying `pooled`.
+async function embed(client, opts, out) {
+  const request = embedRequest(opts);
+  out.event("start", { request: request.request });
+  const call = client.Generate(request, deadline(opts, 60));
+  let output = null;
+  for await (const response of call) output = response.output;
+  if (!output || !output.pooled) throw new Error("the engine sent no pooled result");
+  const vector = output.pooled.data;
+  const head = vector.slice(0, 8).map((x) => x.toFixed(6));
+  out.event(
+    "embedding",
+    {
+      request_id: output.request_id,
+      dimensions: vector.length,
+      embedding: vector,
+      num_prompt_tokens: output.num_prompt_tokens,
+      finish_reason: output.finish_reason,
+    },
+    `embedding of ${vector.length} values (request ${output.request_id}, ` +
+      `${output.num_prompt_tokens} prompt tokens):\n` +
+      `[${head.join(", ")}${vector.length > head.length ? ", ..." : ""}]\n`,
+  );
+  return 0;
+}
+
+const COMMANDS = { info, generate, abort, embed };
 
 // ---------------------------------------------------------------------------- main
 
@@ -336,6 +392,8 @@ const OPTIONS = {
   "ignore-eos": { type: "boolean" },
   "request-id": { type: "string" },
   after: { type: "string" },
+  dimensions: { type: "string" },
+  "no-normalize": { type: "boolean" },
 };
 
 async function main(argv) {
@@ -349,7 +407,7 @@ async function main(argv) {
       return 0;
     }
     if (parsed.positionals.length !== 1 || !(parsed.positionals[0] in COMMANDS)) {
-      throw new UsageError("give exactly one command: info, generate or abort");
+      throw new UsageError("give exactly one command: info, generate, abort or embed");
     }
     command = parsed.positionals[0];
   } catch (err) {

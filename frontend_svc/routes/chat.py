@@ -31,6 +31,7 @@ from frontend_svc.routes.common import (
     gateway,
     parse_body,
     prompt_encoder,
+    require_task,
     running_usage,
     stream_sse,
     with_server_defaults,
@@ -45,6 +46,7 @@ async def create_chat_completion(request: Request) -> Response:
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_chat, info.max_logprobs, state.tool_parser is not None)
     state.check_model(req.model)
+    require_task(info, req.model, "generate", "chat completions (/v1/chat/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))
     prompt = await prompt_encoder(request).encode_chat(
         tokenizer,

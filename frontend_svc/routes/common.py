@@ -10,6 +10,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend_svc.engine_types import ModelInfo
 from frontend_svc.errors import (
     ApiError,
     from_engine_error,
@@ -88,6 +89,21 @@ async def parse_body(request: Request, parse: Callable[..., T], *args: Any) -> T
     if len(body) < BIG_BODY_BYTES:
         return parse(loads(body), *args)
     return await prompt_encoder(request).run(lambda: parse(loads(body), *args))
+
+
+def require_task(
+    info: ModelInfo, model: str, task: str, what: str, param: str | None = "model"
+) -> None:
+    """400 naming the tasks the model serves, unless it serves ``task``."""
+    if task not in info.supported_tasks:
+        raise ApiError(
+            400,
+            f"The model '{model}' does not support {what}; it serves: "
+            f"{', '.join(info.supported_tasks)}.",
+            type="invalid_request_error",
+            param=param,
+            code="unsupported_task",
+        )
 
 
 def loads(body: bytes) -> Any:

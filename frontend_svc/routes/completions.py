@@ -32,6 +32,7 @@ from frontend_svc.routes.common import (
     gateway,
     parse_body,
     prompt_encoder,
+    require_task,
     running_usage,
     stream_sse,
     with_server_defaults,
@@ -45,6 +46,7 @@ async def create_completion(request: Request) -> Response:
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_completion, info.max_logprobs)
     state.check_model(req.model)
+    require_task(info, req.model, "generate", "completions (/v1/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))
     sampling = req.sampling
     truncate = sampling.truncate_prompt_tokens

@@ -19,7 +19,8 @@ _STARTED = int(time.time())
 
 def _model_cards(request: Request) -> list[dict[str, Any]]:
     """The served models in OpenAI's model object shape (plus vLLM's root, parent and
-    max_model_len); 503 when no engine is connected."""
+    max_model_len, and the tasks the model serves: "generate", "embed", "classify", "score");
+    503 when no engine is connected."""
     state = gateway(request)
     _, info = state.require_engine()
     return [
@@ -31,6 +32,7 @@ def _model_cards(request: Request) -> list[dict[str, Any]]:
             "root": info.model_source or info.served_model_name,
             "parent": None,
             "max_model_len": info.max_model_len,
+            "supported_tasks": list(info.supported_tasks),
             "permission": [],
         }
     ]

@@ -234,6 +234,59 @@ def test_rpc_error_exits_non_zero_with_the_status(
     assert not of_kind(events, "done")
 
 
+def _python_embedding(stub: pb_grpc.EngineStub, **params: object) -> list[float]:
+    pooling = pb.PoolingParams(task=pb.POOLING_TASK_EMBED, **params)  # type: ignore[arg-type]
+    request = pb.AddRequest(prompt_token_ids=PROMPT, pooling_params=pooling)
+    [response] = generate(stub, request)
+    assert response.output.finish_reason == pb.FINISH_REASON_STOP
+    return list(response.output.pooled.data)
+
+
+def test_embed_matches_python(
+    node_client: list[str],
+    engine: Engine,
+    stub: pb_grpc.EngineStub,
+) -> None:
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert "embed" in info.supported_tasks  # the default model is a causal LM: it embeds too
+    for flags, params in (([], {}), (["--no-normalize"], {"normalize": False})):
+        want = _python_embedding(stub, **params)
+        code, events, stderr = run_client(
+            node_client, engine.address, "embed", f"--prompt={PROMPT_FLAG}", *flags
+        )
+        assert code == 0, stderr
+        [got] = of_kind(events, "embedding")
+        assert got["dimensions"] == len(got["embedding"]) == info.embedding_size
+        # the same engine, the same prompt: the same float32 values (last bits aside, should a
+        # batch or the prefix cache differ)
+        assert got["embedding"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert got["finish_reason"] == "FINISH_REASON_STOP"
+        assert got["num_prompt_tokens"] == len(PROMPT) and got["request_id"]
+    norm = sum(x * x for x in _python_embedding(stub)) ** 0.5
+    assert norm == pytest.approx(1.0, rel=1e-4)
+    # Text mode: the length and the first values.
+    done = subprocess.run(
+        [*node_client, "--address", engine.address, "embed", f"--prompt={PROMPT_FLAG}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"embedding of {info.embedding_size} values" in done.stdout
+    assert f"[{_python_embedding(stub)[0]:.6f}, " in done.stdout
+
+
+def test_embed_error_exits_non_zero(node_client: list[str], engine: Engine) -> None:
+    """The default model is not a Matryoshka model: --dimensions is refused, naming the field."""
+    code, events, stderr = run_client(
+        node_client, engine.address, "embed", f"--prompt={PROMPT_FLAG}", "--dimensions=8"
+    )
+    assert code == 1
+    [error] = of_kind(events, "error")
+    assert error["status"] == "INVALID_ARGUMENT" and "dimensions" in error["message"]
+    assert not of_kind(events, "embedding")
+
+
 def test_usage_error_exits_2(node_client: list[str]) -> None:
     code, events, stderr = run_client(node_client, "127.0.0.1:1", "generate")
     assert (code, events) == (2, [])

@@ -5,6 +5,11 @@ token per engine step, for every running request. It honours max_tokens, min_tok
 stop_token_ids, logprobs, prompt_logprobs, aborts and a request limit (queue full), and it
 exposes what happened (requests in flight, aborted ids) so tests can assert on it.
 
+Given ``supported_tasks`` with pooling tasks it also answers pooling requests, after
+``pooling_steps`` steps, with ``fake_pooled``: a vector computed from the prompt's ids and their
+order (so a test can tell which input a result belongs to), normalized / cut / passed through
+softmax or sigmoid as the contract says.
+
 It runs on its own event loop in a background thread, so synchronous tests (openai client,
 httpx) can drive the gateway against it; ``stop()`` kills every stream like a crashed engine.
 """
@@ -12,10 +17,12 @@ httpx) can drive the gateway against it; ``stop()`` kills every stream like a cr
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from array import array
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +39,54 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+_TASK_NAMES = {
+    pb.POOLING_TASK_EMBED: "embed",
+    pb.POOLING_TASK_CLASSIFY: "classify",
+    pb.POOLING_TASK_SCORE: "score",
+}
+
+
+def fake_hidden(prompt: Sequence[int], size: int, salt: float = 0.0) -> list[float]:
+    """The fake model's pooled state of a prompt: depends on every id and on their order."""
+    return [
+        sum(math.sin(0.37 * (t + 1) * (j + 1) + 0.11 * i + salt) for i, t in enumerate(prompt))
+        for j in range(size)
+    ]
+
+
+def _float32(values: list[float]) -> list[float]:
+    return array("f", values).tolist()
+
+
+def _l2(v: list[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return [x / norm for x in v]
+
+
+def fake_pooled(
+    prompt: Sequence[int], params: pb.PoolingParams, embedding_size: int, num_labels: int
+) -> list[float]:
+    """What the fake engine returns for a pooling request, rounded to float32 as on the wire."""
+    if params.task == pb.POOLING_TASK_EMBED:
+        v = fake_hidden(prompt, embedding_size)
+        normalize = params.normalize if params.HasField("normalize") else True
+        if normalize:
+            v = _l2(v)
+        if params.HasField("dimensions"):
+            v = v[: params.dimensions]
+            v = _l2(v) if normalize else v
+        return _float32(v)
+    logits = fake_hidden(prompt, num_labels, salt=1.0)
+    if not params.HasField("activation") or params.activation:
+        if len(logits) == 1:
+            logits = [1.0 / (1.0 + math.exp(-logits[0]))]
+        else:
+            top = max(logits)
+            exps = [math.exp(x - top) for x in logits]
+            logits = [e / sum(exps) for e in exps]
+    return _float32(logits)
+
+
 @dataclass
 class _Running:
     request_id: str
@@ -45,6 +100,8 @@ class _Running:
     first: bool = True
     added_at: float = field(default_factory=time.monotonic)  # also "scheduled": no queue here
     first_token_at: float | None = None
+    pooling: pb.PoolingParams | None = None  # a pooling request
+    steps_left: int = 0  # a pooling request's steps before its result
 
 
 class FakeEngine:
@@ -64,6 +121,12 @@ class FakeEngine:
         model_name: str = MODEL_NAME,
         host: str = "127.0.0.1",
         health: bool = False,
+        supported_tasks: Sequence[str] = (),
+        embedding_size: int = 0,
+        is_matryoshka: bool = False,
+        matryoshka_dimensions: Sequence[int] = (),
+        labels: Sequence[str] = (),
+        pooling_steps: int = 1,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.script = script_ids
@@ -78,6 +141,14 @@ class FakeEngine:
         # With ``health``, grpc.health.v1 is served too (without it: UNIMPLEMENTED, as an
         # engine that has no health service).
         self.health = _FakeHealth() if health else None
+        # Pooling (empty supported_tasks: reported as the proto default, an old engine's).
+        self.supported_tasks = list(supported_tasks)
+        self.embedding_size = embedding_size
+        self.is_matryoshka = is_matryoshka
+        self.matryoshka_dimensions = list(matryoshka_dimensions)
+        self.labels = list(labels)
+        self.pooling_steps = pooling_steps  # tests raise it to keep pooling requests in flight
+        self.peak_in_flight = 0  # the most requests held at once
         self.requests: dict[str, _Running] = {}
         self.added: list[str] = []
         self.add_messages: dict[str, pb.AddRequest] = {}  # every admitted request, as sent
@@ -166,8 +237,11 @@ class FakeEngine:
             error = (pb.ERROR_CODE_DUPLICATE_REQUEST_ID, f"request id {rid} is in use")
         elif len(self.requests) >= self.max_requests:
             error = (pb.ERROR_CODE_RESOURCE_EXHAUSTED, "the waiting queue is full")
+        pooling = add.pooling_params if add.HasField("pooling_params") else None
+        if error is None and pooling is not None:
+            error = self._pooling_error(pooling, len(prompt))
         max_tokens = p.max_tokens if p.HasField("max_tokens") else self.max_model_len - len(prompt)
-        if error is None and len(prompt) + max_tokens > self.max_model_len:
+        if error is None and pooling is None and len(prompt) + max_tokens > self.max_model_len:
             error = (
                 pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
                 f"{len(prompt)} + {max_tokens} tokens exceed max_model_len={self.max_model_len}",
@@ -184,11 +258,42 @@ class FakeEngine:
         self._queries += len(prompt)
         self._hits += cached
         self.requests[rid] = _Running(
-            rid, prompt, p, max_tokens, sink, offset=seed % len(self.script), cached=cached
+            rid,
+            prompt,
+            p,
+            max_tokens,
+            sink,
+            offset=seed % len(self.script),
+            cached=cached,
+            pooling=pooling,
+            steps_left=self.pooling_steps,
         )
+        self.peak_in_flight = max(self.peak_in_flight, len(self.requests))
         self.added.append(rid)
         self.add_messages[rid] = add
         return rid
+
+    def _pooling_error(self, params: pb.PoolingParams, prompt_len: int) -> tuple[int, str] | None:
+        task = _TASK_NAMES.get(params.task)
+        if task not in self.supported_tasks:
+            served = ", ".join(self.supported_tasks) or "generate"
+            return (
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"pooling_params.task: {task or 'unset'} is not served (serves {served})",
+            )
+        listed = self.matryoshka_dimensions
+        if params.HasField("dimensions") and not (
+            (self.is_matryoshka or listed)
+            and 1 <= params.dimensions <= self.embedding_size
+            and (not listed or params.dimensions in listed)
+        ):
+            return (pb.ERROR_CODE_INVALID_ARGUMENT, "pooling_params.dimensions: not accepted")
+        if prompt_len > self.max_model_len:
+            return (
+                pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+                f"{prompt_len} tokens exceed max_model_len={self.max_model_len}",
+            )
+        return None
 
     def abort(self, request_ids: list[str]) -> int:
         n = 0
@@ -210,6 +315,15 @@ class FakeEngine:
     def step(self) -> None:
         by_sink: dict[int, tuple[asyncio.Queue[pb.EngineCoreOutputs], list[pb.RequestOutput]]] = {}
         for r in list(self.requests.values()):
+            if r.pooling is not None:
+                r.steps_left -= 1
+                if r.steps_left > 0:
+                    continue
+                del self.requests[r.request_id]
+                pooled = fake_pooled(r.prompt, r.pooling, self.embedding_size, len(self.labels))
+                entry = by_sink.setdefault(id(r.sink), (r.sink, []))
+                entry[1].append(self._output(r, [], pb.FINISH_REASON_STOP, None, pooled))
+                continue
             token = self.script[(r.offset + len(r.output)) % len(self.script)]
             r.output.append(token)
             p = r.params
@@ -230,7 +344,12 @@ class FakeEngine:
             sink.put_nowait(pb.EngineCoreOutputs(outputs=outputs, load=load, timestamp=time.time()))
 
     def _output(
-        self, r: _Running, tokens: list[int], finish: int, stop_reason: int | None
+        self,
+        r: _Running,
+        tokens: list[int],
+        finish: int,
+        stop_reason: int | None,
+        pooled: list[float] | None = None,
     ) -> pb.RequestOutput:
         out = pb.RequestOutput(
             request_id=r.request_id,
@@ -239,6 +358,8 @@ class FakeEngine:
             num_cached_tokens=r.cached,
             num_prompt_tokens=len(r.prompt),
         )
+        if pooled is not None:
+            out.pooled.data.extend(pooled)
         if stop_reason is not None:
             out.stop_reason = stop_reason
         if r.params.HasField("logprobs"):
@@ -390,6 +511,12 @@ class _Servicer(pb_grpc.EngineServicer):
             engine_version="fake-0",
             enable_prefix_caching=True,
             kv_cache_dtype="float32",
+            supported_tasks=e.supported_tasks,
+            embedding_size=e.embedding_size,
+            pooling_type="LAST" if "embed" in e.supported_tasks else "",
+            is_matryoshka=e.is_matryoshka,
+            matryoshka_dimensions=e.matryoshka_dimensions,
+            labels=e.labels,
         )
 
     async def GetTokenizer(  # noqa: N802

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from frontend_svc.config import config_from_args
+from frontend_svc.config import build_arg_parser, config_from_args
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -77,3 +77,57 @@ def test_response_flags() -> None:
     }
     c = config_from_args([], env)
     assert (c.return_tokens_as_token_ids, c.enable_force_include_usage) == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "field", "expected"),
+    [
+        ("ENGINE", "e:1", "engine_address", "e:1"),
+        ("HOST", "0.0.0.0", "host", "0.0.0.0"),
+        ("PORT", "9001", "port", 9001),
+        ("API_KEY", "k", "api_key", "k"),
+        ("SERVED_MODEL_NAME", "m", "served_model_name", "m"),
+        ("RECONNECT_MAX_S", "0.25", "backoff.max_s", 0.25),
+        ("RETRY_AFTER_S", "3", "retry_after_s", 3),
+        ("ENGINE_RESOLVE_INTERVAL", "2.5", "routing.resolve_interval_s", 2.5),
+        ("PREFIX_AFFINITY_MIN_TOKENS", "0", "routing.affinity_min_tokens", 0),
+        ("PREFIX_AFFINITY_MAX_IMBALANCE", "3", "routing.affinity_max_imbalance", 3),
+        ("TLS_SERVER_NAME", "engine.local", "tls.server_name", "engine.local"),
+        ("MAX_BODY_BYTES", "1000", "limits.max_body_bytes", 1000),
+        ("MAX_HEADER_BYTES", "2000", "limits.max_header_bytes", 2000),
+        ("TOKENIZER_THREADS", "2", "limits.tokenizer_threads", 2),
+        ("WORKERS", "2", "workers", 2),
+        ("TOOL_CALL_PARSER", "hermes", "tool_call_parser", "hermes"),
+        ("ENABLE_AUTO_TOOL_CHOICE", "yes", "enable_auto_tool_choice", True),
+        ("RETURN_TOKENS_AS_TOKEN_IDS", "on", "return_tokens_as_token_ids", True),
+        ("ENABLE_FORCE_INCLUDE_USAGE", "true", "enable_force_include_usage", True),
+        ("LOG_LEVEL", "debug", "log_level", "debug"),
+    ],
+)
+def test_every_flag_reads_its_environment_variable(
+    env: str, value: str, field: str, expected: object
+) -> None:
+    environ = {f"TANDEM_{env}": value}
+    if env == "ENABLE_AUTO_TOOL_CHOICE":
+        environ["TANDEM_TOOL_CALL_PARSER"] = "hermes"
+    config: object = config_from_args([], environ)
+    for part in field.split("."):
+        config = getattr(config, part)
+    assert config == expected
+    assert f"TANDEM_{env}" in build_arg_parser({}).format_help()  # --help says where
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TANDEM_PORT": "http"}, "argument --port: invalid int value: 'http'"),
+        ({"TANDEM_RECONNECT_MAX_S": "soon"}, "argument --reconnect-max-s: invalid float value"),
+        ({"TANDEM_RETURN_TOKENS_AS_TOKEN_IDS": "2"}, "expected true or false"),
+    ],
+)
+def test_a_bad_environment_value_is_a_usage_error(
+    env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        config_from_args([], env)
+    assert message in capsys.readouterr().err
