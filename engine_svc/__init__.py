@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.request import FinishReason, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from engine_svc.entrypoints.llm import LLM, CompletionOutput, RequestOutput
@@ -15,6 +16,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "FinishReason",
+    "LoRARequest",
     "PoolingParams",
     "PoolingTask",
     "RequestOutput",

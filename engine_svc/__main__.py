@@ -9,6 +9,8 @@ import logging
 from engine_svc import envs
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.lora.config import LoRAConfig, parse_lora_modules
+from engine_svc.lora.errors import LoRAError
 
 VERSION = "0.1.0"
 
@@ -55,6 +57,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how embeddings pool the hidden states (default: the checkpoint's "
         "sentence-transformers Pooling config, else LAST)",
     )
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--max-loras", type=int, default=1, help="adapters on the device at once (default 1)"
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)"
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory; the least recently used idle ones beyond it are read "
+        "again from disk when needed (default: no limit)",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories to serve from the start (needs --enable-lora)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default=None, help="PEM CA: require client certificates (mTLS)")
@@ -73,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         tls = TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+        lora_config = _lora_config(args)
     except ValueError as e:
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
     logging.basicConfig(
@@ -122,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
             device=args.device,
             attention_backend=args.attention_backend,
+            lora=lora_config,
         )
         return EngineCore(config)
 
@@ -140,8 +166,22 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
     try:
         asyncio.run(serve(build, server))
-    except PortUnavailable as e:  # anything else keeps its traceback: it is a bug or a bad model
+    except (PortUnavailable, LoRAError) as e:  # others keep their traceback: a bug, a bad model
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
+
+
+def _lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    """The LoRA flags as a config (None without --enable-lora); ValueError names the flag."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=parse_lora_modules(args.lora_modules),
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.lora.config import LoRAConfig
 from kernels.attention_backends import BACKENDS
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -79,6 +80,8 @@ class EngineConfig:
     # Pad decode-only steps to batch-size buckets in static buffers (what CUDA graphs need).
     # None: on CUDA only (on the CPU padding is pure cost).
     pad_decode_batches: bool | None = None
+    # Multi-LoRA serving (--enable-lora and friends); None: the engine serves no adapters.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in BACKENDS:

@@ -17,6 +17,10 @@ from engine_svc.core.pooling_params import ModelTasks, PoolingParams
 from engine_svc.core.request import FinishReason, Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from engine_svc.lora.adapter import LoRAAdapter
+from engine_svc.lora.errors import LoRADisabledError, LoRANotFoundError
+from engine_svc.lora.manager import LoRAManager
+from engine_svc.lora.registry import LoRAInfo
 from engine_svc.models.loader import read_hf_config
 from engine_svc.models.tasks import checkpoint_kind, model_tasks
 from engine_svc.structured_output.manager import StructuredOutputManager
@@ -44,6 +48,8 @@ class ModelInfo:
     enable_prefix_caching: bool
     kv_cache_dtype: str  # "bfloat16", "float32" ...
     tasks: ModelTasks = ModelTasks()  # what the model serves, and its pooling facts
+    max_loras: int = 0  # LoRA adapters on the device at once; 0: no adapters served
+    max_lora_rank: int = 0
 
     def check_prompt(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
         """Raise ``ValueError`` naming the problem with a prompt this model cannot take.
@@ -136,7 +142,8 @@ class EngineCore:
             layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching
         )
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.runner.lora)
+        lora = config.lora
         self.info = ModelInfo(
             name=config.model.served_model_name or Path(config.model.model).name,
             max_model_len=max_len,
@@ -154,7 +161,11 @@ class EngineCore:
                 config.model.model,
                 config.model.pooling_type,
             ),
+            max_loras=lora.max_loras if lora else 0,
+            max_lora_rank=lora.max_lora_rank if lora else 0,
         )
+        for name, path in lora.modules if lora else ():  # --lora-modules: a bad one stops here
+            self.add_lora(name, self.read_lora(path))
         self.structured = StructuredOutputManager(
             config.model.model, self.info.vocab_size, self.info.eos_token_ids
         )
@@ -168,10 +179,39 @@ class EngineCore:
         arrival_time: float | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_name: str | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ``ValueError`` naming the problem.
+        """Validate and queue a request. Raises ``ValueError`` naming the problem
+        (``LoRANotFoundError`` for an unknown ``lora_name``).
 
-        With ``pooling_params`` it is a pooling request: ``params`` are ignored."""
+        With ``pooling_params`` it is a pooling request: ``params`` are ignored. ``lora_name``:
+        the adapter to run it with (None or empty: the base model), held until it finishes."""
+        lora_id = self._acquire_lora(lora_name)
+        try:
+            return self._add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time,
+                priority,
+                pooling_params,
+                lora_id,
+            )
+        except BaseException:
+            if lora_id and self.runner.lora is not None:
+                self.runner.lora.release(lora_id)  # it never entered the scheduler
+            raise
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+        priority: int,
+        pooling_params: PoolingParams | None,
+        lora_id: int,
+    ) -> Request:
         info = self.info
         if pooling_params is not None:
             pooling = info.check_pooling(prompt_token_ids, pooling_params)
@@ -182,6 +222,7 @@ class EngineCore:
                 arrival_time=arrival_time,
                 priority=priority,
                 pooling_params=pooling,
+                lora_id=lora_id,
             )
             self.scheduler.add_request(request)
             return request
@@ -196,13 +237,70 @@ class EngineCore:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(remaining, 1))
         request = Request(
-            request_id, prompt_token_ids, params, info.eos_token_ids, arrival_time, priority
+            request_id,
+            prompt_token_ids,
+            params,
+            info.eos_token_ids,
+            arrival_time,
+            priority,
+            lora_id=lora_id,
         )
         if params.structured_output is not None:
             request.grammar = self.structured.grammar_for(params.structured_output)
         self.scheduler.add_request(request)
         return request
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def _acquire_lora(self, name: str | None) -> int:
+        if not name:
+            return 0
+        if self.runner.lora is None:
+            raise LoRANotFoundError(
+                f"no LoRA adapter named {name!r}: this engine serves none (--enable-lora)"
+            )
+        return self.runner.lora.acquire(name)
+
+    @property
+    def lora(self) -> LoRAManager:
+        """The adapters; LoRADisabledError when the engine serves none."""
+        if self.runner.lora is None:
+            raise LoRADisabledError(
+                "this engine serves no LoRA adapters (start it with --enable-lora)"
+            )
+        return self.runner.lora
+
+    def read_lora(self, path: str) -> LoRAAdapter:
+        """Read and check an adapter directory; touches no engine state, so any thread may call
+        it (the gRPC layer reads off the engine loop). LoRAInvalidError names the file."""
+        return self.lora.read(path)
+
+    def add_lora(self, name: str, adapter: LoRAAdapter, pin: bool = False) -> LoRAInfo:
+        """Serve ``adapter`` (from :meth:`read_lora`) as ``name``."""
+        return self.lora.add(name, adapter, pin, self._running_loras())
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving ``name``: new requests naming it are refused at once; the ones already
+        taken in finish with it (the contract's RemoveLora). LoRANotFoundError if unknown."""
+        self._named_lora(name).remove(name)
+
+    def pin_lora(self, name: str) -> None:
+        """Keep ``name`` on the device (LoRANotFoundError if unknown, LoRACapacityError if
+        every slot is pinned or the pin would strand waiting requests)."""
+        self._named_lora(name).pin(name, self._running_loras())
+
+    def list_loras(self) -> list[LoRAInfo]:
+        """The adapters served, in load order (none when LoRA is off)."""
+        return [] if self.runner.lora is None else self.runner.lora.infos()
+
+    def _named_lora(self, name: str) -> LoRAManager:
+        if self.runner.lora is None:
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r}: this engine serves none")
+        return self.runner.lora
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_id for r in self.scheduler.running if r.lora_id}
+
+    # ------------------------------------------------------------------ requests out
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort requests; returns the final (ABORT) output of each one the engine held."""
         now = time.monotonic()

@@ -23,6 +23,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def chain_root(lora_id: int) -> BlockHash | None:
+    """The parent of a request's first block hash: None for the base model, else a value of
+    the adapter's engine id (never reused, so an adapter added again under an old name does
+    not read the KV of the old weights either)."""
+    return None if lora_id == 0 else b"lora:" + str(lora_id).encode()
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -61,15 +68,18 @@ class KVCacheManager:
         return self.pool.usage()
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of every full block of the request's tokens, computed incrementally."""
+        """Hashes of every full block of the request's tokens, computed incrementally.
+
+        The chain starts from the request's LoRA adapter (``chain_root``): the same tokens under
+        two adapters (or an adapter and the base model) have different KV and never share a
+        block."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(
-                hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
-            )
+            parent = hashes[-1] if hashes else chain_root(request.lora_id)
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def _uses_cache(self, request: Request) -> bool:

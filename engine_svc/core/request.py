@@ -87,6 +87,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_id: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -97,6 +98,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.pooling_params = pooling_params
+        # The LoRA adapter it runs with (the engine's id, held from add to finish; 0: the base
+        # model). Part of its prefix-cache block hashes.
+        self.lora_id = lora_id
         # The structured-output constraint's matcher, when sampling_params.structured_output is
         # set: it has accepted exactly output_token_ids (the scheduler advances it as tokens are
         # appended; a recompute after preemption replays tokens without touching it).

@@ -14,6 +14,12 @@ each token appended here, and the request stops once the grammar has accepted it
 A pooling request is scheduled exactly like a prompt (same budget, chunks, blocks and prefix
 cache), samples nothing, and finishes (STOPPED, its blocks freed) in the update of the step that
 computed its last prompt token; the model runner pooled its hidden states in that step.
+
+With LoRA adapters (``lora``), a waiting request whose adapter would push the running requests'
+adapters plus the pinned ones past the device slots (max_loras) is stepped over like a compiling
+one: it keeps its place, later requests with adapters already running (or none) go ahead, and it
+is admitted once a slot frees. So every step's adapters fit the device together. A request holds
+its adapter from add to finish (``LoRASlots.release``, whatever way it ends).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.kv_cache_manager import KVCacheManager
@@ -52,6 +59,18 @@ class SchedulerConfig:
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
+
+
+class LoRASlots(Protocol):
+    """What the scheduler asks of the LoRA adapters (``LoRAManager``; no torch needed)."""
+
+    def can_admit(self, lora_id: int, running: set[int]) -> bool:
+        """Whether a request with ``lora_id`` may run beside requests using ``running``."""
+        ...
+
+    def release(self, lora_id: int) -> None:
+        """A request holding ``lora_id`` finished."""
+        ...
 
 
 @dataclass
@@ -127,9 +146,12 @@ class _WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, lora: LoRASlots | None = None
+    ) -> None:
         self.config = config
         self.kv = kv_manager
+        self.lora = lora
         self.requests: dict[str, Request] = {}
         self.waiting = _WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
@@ -182,6 +204,8 @@ class Scheduler:
         """Mark finished and free its blocks; the caller has removed it from the queues."""
         request.status = status
         self.kv.free(request)
+        if request.lora_id and self.lora is not None:
+            self.lora.release(request.lora_id)
         del self.requests[request.request_id]
         self._compiling.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
@@ -256,8 +280,10 @@ class Scheduler:
             i = len(self.running)
 
         # 2) Waiting requests, when nothing had to be preempted this step. One whose grammar is
-        # still compiling is stepped over and put back in its place afterwards.
-        compiling: list[Request] = []
+        # still compiling, or whose LoRA adapter finds no device slot, is stepped over and put
+        # back in its place afterwards.
+        stepped_over: list[Request] = []
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.lora is not None else set()
         while (
             not preempted
             and len(self.waiting)
@@ -265,8 +291,12 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
-                compiling.append(self.waiting.pop())
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR or (
+                request.lora_id
+                and self.lora is not None
+                and not self.lora.can_admit(request.lora_id, loras)
+            ):
+                stepped_over.append(self.waiting.pop())
                 continue
             computed_blocks: list = []
             num_computed = request.num_computed_tokens
@@ -287,10 +317,12 @@ class Scheduler:
             if request.scheduled_ts is None:  # back after a preemption: its queue time is kept
                 request.scheduled_ts = time.monotonic()
             self.running.append(request)
+            if request.lora_id:
+                loras.add(request.lora_id)
             block_ids = self.kv.get_block_ids(request.request_id)
             scheduled.append(ScheduledRequest(request, num_new, True, block_ids))
             budget -= num_new
-        for request in reversed(compiling):
+        for request in reversed(stepped_over):
             self.waiting.add(request, front=True)
 
         out = SchedulerOutput(

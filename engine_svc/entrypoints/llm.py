@@ -22,6 +22,8 @@ from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from engine_svc.core.scheduler import SchedulerConfig
 from engine_svc.entrypoints.llm_pooling import PoolingMixin
+from engine_svc.lora.config import LoRAConfig
+from engine_svc.lora.request import LoRARequest
 
 PromptType = str | dict[str, Any]
 
@@ -87,6 +89,10 @@ class LLM(PoolingMixin):
         seed: int = 0,
         served_model_name: str | None = None,
         pooling_type: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         if model is None:
             from engine_svc.default_model import ensure_default_model
@@ -120,8 +126,10 @@ class LLM(PoolingMixin):
             device=device,
             attention_backend=attention_backend,
             pad_decode_batches=pad_decode_batches,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         )
         self.engine = EngineCore(config)
+        self._lora_requests: dict[int, LoRARequest] = {}  # lora_int_id -> the first request
         self.tokenizer = load_tokenizer(self.model_dir)
         self._ids = itertools.count()
 
@@ -134,11 +142,14 @@ class LLM(PoolingMixin):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
-        ``SamplingParams`` for all prompts or a list with one per prompt.
+        ``SamplingParams`` for all prompts or a list with one per prompt; ``lora_request`` the
+        same (None: the base model). An adapter is loaded from its ``lora_path`` the first time
+        its name is used (``LLM(..., enable_lora=True)``).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -156,6 +167,7 @@ class LLM(PoolingMixin):
         params_list = [resolved.setdefault(id(p), self._with_bad_word_ids(p)) for p in params_list]
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        lora_names = self._lora_names(lora_request, len(prompts))
 
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, int]] = {}
@@ -177,7 +189,11 @@ class LLM(PoolingMixin):
                     ro.outputs.append(CompletionOutput(k, "", [], None))
                     children[cid] = (ro, k)
                     self.engine.add_request(
-                        cid, token_ids, child, priority=0 if priority is None else priority[i]
+                        cid,
+                        token_ids,
+                        child,
+                        priority=0 if priority is None else priority[i],
+                        lora_name=lora_names[i],
                     )
             self._run(children, params_list, use_tqdm, len(prompts))
         except BaseException:
@@ -230,6 +246,29 @@ class LLM(PoolingMixin):
                 pbar.set_postfix_str(f"output: {out_tokens / max(elapsed, 1e-9):.1f} tok/s")
         if pbar is not None:
             pbar.close()
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[str | None]:
+        """One adapter name (or None) per prompt, loading adapters used for the first time."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * n
+        else:
+            requests = list(lora_request)
+            if len(requests) != n:
+                raise ValueError(f"got {len(requests)} lora_requests for {n} prompts")
+        for lr in dict.fromkeys(r for r in requests if r is not None):
+            known = self._lora_requests.get(lr.lora_int_id)
+            if known is not None and known.lora_name != lr.lora_name:
+                raise ValueError(
+                    f"lora_int_id {lr.lora_int_id} already names adapter {known.lora_name!r}"
+                )
+            if lr.lora_name not in {i.name for i in self.engine.list_loras()}:
+                if not lr.lora_path:
+                    raise ValueError(f"LoRA adapter {lr.lora_name!r} is not loaded: give lora_path")
+                self.engine.add_lora(lr.lora_name, self.engine.read_lora(lr.lora_path))
+            self._lora_requests.setdefault(lr.lora_int_id, lr)
+        return [None if r is None else r.lora_name for r in requests]
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its text ``bad_words`` turned into ``bad_words_token_ids``."""

@@ -12,13 +12,19 @@ classifiers (``score``: hidden -> num_labels, no bias, on the final-norm state);
 
 q/k/v and gate/up projections are fused into one matmul each; the loader splits checkpoint
 tensors into the fused weights.
+
+LoRA: with adapters served (``attach_lora``), each of the four linears of a layer holds its
+slots of the stacked adapter weights, and a step's ``LoRAMapping`` (which slot each token uses,
+built by the model runner) is passed down with the attention metadata; the adapters' deltas are
+added to the linears' outputs (``engine_svc.lora.ops``). A step with no adapter token passes
+None and runs exactly the base model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +33,10 @@ from engine_svc.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
 from kernels import reference_norm_rope
 from kernels.attention_backends import Kernels, TorchAttention
 from kernels.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine_svc.lora.ops import LoRAMapping
+    from engine_svc.lora.weights import LoRALinearStack, LoRAWeights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.lookup: once per forward
@@ -106,20 +116,33 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, kernels.attention
         )
+        self.qkv_lora: LoRALinearStack | None = None  # set by attach_lora
+        self.o_lora: LoRALinearStack | None = None
 
     def forward(
-        self, rope: CosSin, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self,
+        rope: CosSin,
+        x: torch.Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None and self.qkv_lora is not None:
+            self.qkv_lora.apply(qkv, x, lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q, k = self.rotary.rotate(q, k, rope)
-        out = self.attn(q, k, v, kv, meta)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.attn(q, k, v, kv, meta).reshape(t, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None and self.o_lora is not None:
+            self.o_lora.apply(y, out, lora)
+        return y
 
 
 class MLP(nn.Module):
@@ -128,10 +151,21 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
         self._silu_and_mul = kernels.silu_and_mul
+        self.gate_up_lora: LoRALinearStack | None = None  # set by attach_lora
+        self.down_lora: LoRALinearStack | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         # Over the projection's own output: no temporaries of [tokens, intermediate].
-        return self.down_proj(self._silu_and_mul(self.gate_up_proj(x)))
+        if lora is None:
+            return self.down_proj(self._silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            self.gate_up_lora.apply(gate_up, x, lora)
+        h = self._silu_and_mul(gate_up)
+        y = self.down_proj(h)
+        if self.down_lora is not None:
+            self.down_lora.apply(y, h, lora)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -150,11 +184,12 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv: KVCache,
         meta: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, kv, meta)
+        x = self.self_attn(rope, x, kv, meta, lora)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -213,15 +248,26 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per scheduled token."""
+        """Hidden states after the final norm, one row per scheduled token. ``lora``: which
+        adapter slot each token uses (None: no token uses one)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions, x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv, meta)
+            x, residual = layer(rope, x, residual, kv, meta, lora)
         x, _ = self.norm(x, residual)
         return x
+
+    def attach_lora(self, weights: LoRAWeights) -> None:
+        """Give each adaptable linear its slots of the stacked LoRA weights (once, at start)."""
+        for layer, stacks in zip(self.layers, weights.layers, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.qkv_lora = stacks["qkv_proj"]
+            layer.self_attn.o_lora = stacks["o_proj"]
+            layer.mlp.gate_up_lora = stacks["gate_up_proj"]
+            layer.mlp.down_lora = stacks["down_proj"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "this model has no language-model head"

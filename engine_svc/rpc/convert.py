@@ -12,6 +12,8 @@ from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
 from engine_svc.engine_loop import LoadFigures
+from engine_svc.lora.errors import LoRACapacityError, LoRANotFoundError
+from engine_svc.lora.registry import LoRAInfo
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 _FINISH = {
@@ -134,6 +136,16 @@ def pooled_data_bytes(values: npt.NDArray[np.float32]) -> bytes:
     return b"\x0a" + bytes(length) + raw  # tag: field 1, wire type 2 (length-delimited)
 
 
+def lora_info_to_pb(info: LoRAInfo) -> pb.LoraInfo:
+    return pb.LoraInfo(
+        lora_name=info.name,
+        lora_path=info.path,
+        rank=info.rank,
+        pinned=info.pinned,
+        on_device=info.on_device,
+    )
+
+
 def load_to_pb(load: LoadFigures) -> pb.LoadStats:
     return pb.LoadStats(
         num_running_requests=load.num_running,
@@ -165,6 +177,8 @@ def model_info_to_pb(info: ModelInfo, model_source: str, version: str) -> pb.Get
         is_matryoshka=info.tasks.is_matryoshka,
         matryoshka_dimensions=list(info.tasks.matryoshka_dimensions),
         labels=list(info.tasks.labels),
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
     )
     if info.bos_token_id is not None:
         m.bos_token_id = info.bos_token_id
@@ -176,6 +190,10 @@ def error_code(e: Exception) -> int:
         return int(pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED)
     if isinstance(e, DuplicateRequestError):
         return int(pb.ERROR_CODE_DUPLICATE_REQUEST_ID)
+    if isinstance(e, LoRANotFoundError):
+        return int(pb.ERROR_CODE_NOT_FOUND)
+    if isinstance(e, LoRACapacityError):  # every device slot is pinned by other adapters
+        return int(pb.ERROR_CODE_RESOURCE_EXHAUSTED)
     if isinstance(e, ValueError):
         return int(pb.ERROR_CODE_INVALID_ARGUMENT)
     return int(pb.ERROR_CODE_INTERNAL)

@@ -29,8 +29,10 @@ from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_loop import ClientBatch, EngineLoop, QueueFull, Unavailable
+from engine_svc.lora.errors import LoRAError
 from engine_svc.rpc import convert
 from engine_svc.rpc.handlers import Malformed
+from engine_svc.rpc.lora_rpcs import LoRARpcs, lora_status
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -89,7 +91,7 @@ class InFlight:
 _StreamItem = ClientBatch | tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
 
 
-class EngineServicer(pb_grpc.EngineServicer):
+class EngineServicer(LoRARpcs, pb_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, info: ModelInfo, model_dir: str, version: str) -> None:
         self.loop = loop
         self.info = info
@@ -131,6 +133,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             arrival_time=add.arrival_time or None,
             priority=add.priority,
             pooling_params=pooling,
+            lora_name=add.lora_name or None,
         )
 
     # ------------------------------------------------------------------ Stream
@@ -291,6 +294,8 @@ def _status_code(e: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(e, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(e, LoRAError):
+        return lora_status(e)  # an unknown adapter: NOT_FOUND
     if isinstance(e, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, QueueFull):

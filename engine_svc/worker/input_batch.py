@@ -56,6 +56,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_rows, dtype=np.int32)
         self.has_grammar = np.zeros(max_rows, dtype=bool)  # structured output: a matcher masks it
         self.is_pooling = np.zeros(max_rows, dtype=bool)  # a pooling request: never samples
+        self.lora_id = np.zeros(max_rows, dtype=np.int64)  # its LoRA adapter's id (0: none)
         self.has_allowed = np.zeros(max_rows, dtype=bool)  # allowed_token_ids: see allowed_mask
         self.has_bias = np.zeros(max_rows, dtype=bool)
         self.has_bad_words = np.zeros(max_rows, dtype=bool)
@@ -103,6 +104,7 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         self.has_grammar[row] = request.grammar is not None
         self.is_pooling[row] = request.is_pooling
+        self.lora_id[row] = request.lora_id
         if p.has_penalties:
             self._init_penalties(row, request)
         self.has_allowed[row] = p.allowed_token_ids is not None
@@ -157,6 +159,7 @@ class InputBatch:
             self.min_tokens,
             self.has_grammar,
             self.is_pooling,
+            self.lora_id,
             self.has_allowed,
             self.has_bias,
             self.has_bad_words,

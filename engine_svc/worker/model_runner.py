@@ -6,7 +6,9 @@ steps optionally padded to size buckets in static buffers), runs the model, comp
 for rows that sample (and for prompt-logprob rows), masks the rows that have a structured-output
 grammar (``structured_output.bitmask``), and samples (``sampling_inputs``, ``sampler``).
 Pooling rows never sample: ``pooler`` turns their hidden states into embeddings or label scores
-in the step that computes their last prompt token.
+in the step that computes their last prompt token. With LoRA adapters (``lora``), the step's
+adapters are put in device slots before the forward and its tokens grouped by slot
+(``LoRAMapping``), which the model's adapted linears use.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from engine_svc import envs
 from engine_svc.config import EngineConfig, KVCacheLayout
 from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine_svc.lora.adapter import ModelDims
+from engine_svc.lora.manager import LoRAManager
+from engine_svc.lora.ops import LoRAMapping
 from engine_svc.models.llama import DecoderSpec
 from engine_svc.models.loader import (
     architecture_of,
@@ -67,6 +72,12 @@ class ModelRunner:
         )
         self.spec = self.model.spec
         self.pooler = Pooler(self.model)
+        # LoRA slots are allocated before the KV cache, which takes what memory is left.
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            dims = ModelDims.from_spec(self.spec)
+            self.lora = LoRAManager(config.lora, dims, self.dtype, self.device)
+            self.model.attach_lora(self.lora.weights)
         self.layout = self._kv_layout()
         shape = (
             self.layout.num_blocks,
@@ -162,7 +173,8 @@ class ModelRunner:
             self.block_size,
             self.buckets if self.pad_decodes else None,
         )
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        lora = self._lora_mapping(step.token_lora)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, lora)
 
         out = ModelRunnerOutput()
         reaching_end = np.fromiter(
@@ -198,6 +210,16 @@ class ModelRunner:
             if s.request.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(s, hidden, int(step.last_index[i]), out)
         return out
+
+    def _lora_mapping(self, token_lora: np.ndarray | None) -> LoRAMapping | None:
+        """Put the step's adapters on the device (moving least recently used ones out) and
+        group its tokens by slot; None when no token uses an adapter."""
+        if token_lora is None or self.lora is None:
+            return None
+        ids, inverse = np.unique(token_lora, return_inverse=True)
+        slot_of = self.lora.prepare(int(i) for i in ids if i)
+        slots = np.array([slot_of.get(int(i), -1) for i in ids], dtype=np.int64)
+        return LoRAMapping.build(slots[inverse], self.device)
 
     def _update_batch(self, so: SchedulerOutput) -> None:
         """Bring the persistent batch up to this step: drop finished and preempted requests,

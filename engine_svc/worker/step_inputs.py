@@ -11,6 +11,10 @@ The flattened batch puts decodes first, then multi-token chunks::
 A step of decodes only may be padded to a size bucket (1, 2, 4, then multiples of 8): padding
 rows read token 0 at position 0 over a one-token context, and write nowhere (slot -1); their
 outputs are never used.
+
+Within the decodes (and within the chunks), requests are grouped by LoRA adapter, so the tokens
+of one adapter form runs the batched LoRA op slices in place; ``token_lora`` gives each token's
+adapter id (0: none, padding included), None when no request of the step has one.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class StepInputs:
     rows: np.ndarray  # persistent-batch row of each entry of ``batch``
     last_index: np.ndarray  # index of each request's last token in the flattened batch
     num_padded_reqs: int  # rows of padding after the real ones (0 unless padded)
+    token_lora: np.ndarray | None = None  # [num_tokens] adapter id per token; None: no adapter
 
 
 class StepBuffers:
@@ -79,7 +84,8 @@ def build_step(
 
     ``buckets``: pad a decode-only step to the next bucket size (None: never pad).
     """
-    ordered = sorted(scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
+    # decodes first, then by adapter (runs for the LoRA op); stable otherwise
+    ordered = sorted(scheduled, key=lambda s: (s.num_tokens != 1, s.request.lora_id))
     rows = np.fromiter(
         (batch.row_of[s.request.request_id] for s in ordered), np.int64, len(ordered)
     )
@@ -97,6 +103,8 @@ def build_step(
     input_ids = batch.token_ids[token_rows, pos].astype(np.int64)
     slots = batch.block_table[token_rows, pos // block_size].astype(np.int64) * block_size
     slots += pos % block_size
+    req_lora = batch.lora_id[rows]
+    token_lora = req_lora[req_of] if req_lora.any() else None
     seq_lens = (computed + num_new).astype(np.int32)
     max_blocks = int(batch.num_blocks[rows].max())
     tables = batch.block_table[rows, :max_blocks]
@@ -112,6 +120,8 @@ def build_step(
             seq_lens = np.concatenate([seq_lens, np.ones(padded, np.int32)])
             tables = np.concatenate([tables, np.zeros((padded, max_blocks), np.int32)])
             cu = np.concatenate([cu, cu[-1] + np.arange(1, padded + 1)])
+            if token_lora is not None:
+                token_lora = np.concatenate([token_lora, np.zeros(padded, np.int64)])
             num_reqs = num_decodes = size
             total = size
 
@@ -136,4 +146,5 @@ def build_step(
         rows=rows,
         last_index=cu[1 : len(ordered) + 1] - 1,
         num_padded_reqs=padded,
+        token_lora=token_lora,
     )

@@ -347,3 +347,24 @@ def test_a_route_is_documented_by_one_table_entry(monkeypatch: pytest.MonkeyPatc
     }
     assert doc["components"]["schemas"]["EchoBody"]["required"] == ["text"]
     assert set(op["responses"]) == {"200", "400", "401", "404", "413", "415", "431", "503"}
+
+
+LONG = (1 << 16) + 5  # past the length where token ids are checked in Python, slice by slice
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [(True, "a bool"), (-1, "negative"), (2**32, "beyond uint32"), ("5", "a string")],
+)
+def test_long_token_id_prompt_is_checked_like_a_short_one(bad: object, why: str) -> None:
+    """The Python path for long id lists (it lets the event loop in while a worker parses)
+    accepts and refuses exactly what pydantic-core does for short ones."""
+    ids = [7] * LONG
+    req = parse_completion({"model": "m", "prompt": ids}, 5)
+    assert req.prompts == (tuple(ids),)
+    ids[LONG - 2] = bad
+    with pytest.raises(ApiError) as e:
+        parse_completion({"model": "m", "prompt": ids}, 5)
+    assert e.value.param == "prompt", why
+    floats = [7.0] * LONG  # integral floats are ids, as in short lists
+    assert parse_completion({"model": "m", "prompt": floats}, 5).prompts == ((7,) * LONG,)
