@@ -186,16 +186,19 @@ class EngineServicer:
         least recently used unpinned one is moved out when another is needed.
 
         Loads an adapter from a PEFT directory on the engine's file system (adapter_config.json and
-        adapter_model.safetensors). INVALID_ARGUMENT naming the file for a bad directory, a rank above
-        max_lora_rank or a target module the model does not have; ALREADY_EXISTS for a name in use.
+        adapter_model.safetensors, or adapter_model.bin). INVALID_ARGUMENT naming the file for a bad
+        directory, a rank above max_lora_rank or a target module the model does not have;
+        ALREADY_EXISTS for a name in use; FAILED_PRECONDITION on an engine started without LoRA
+        (max_loras 0); RESOURCE_EXHAUSTED when `pin` cannot be honoured (see PinLora).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RemoveLora(self, request, context):
-        """Unloads an adapter. NOT_FOUND for an unknown name. Requests already running with it finish
-        first; new requests naming it are refused.
+        """Unloads an adapter. NOT_FOUND for an unknown name. The name is free at once (new requests
+        naming it are refused; it may be added again, as a new adapter); requests already taken in
+        with it, waiting or running, finish with its weights, which are freed after the last one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,7 +212,10 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PinLora(self, request, context):
-        """Keeps an adapter on the device: never moved out to make room. NOT_FOUND for an unknown name.
+        """Keeps an adapter on the device: never moved out to make room. NOT_FOUND for an unknown name;
+        RESOURCE_EXHAUSTED when every device slot is already pinned, or when pinning would take the
+        last slot while requests wait for an unpinned adapter. A request naming an unpinned adapter
+        while every slot is pinned is refused with ERROR_CODE_RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
