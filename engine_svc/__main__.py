@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how embeddings pool the hidden states (default: the checkpoint's "
         "sentence-transformers Pooling config, else LAST)",
     )
+    p.add_argument(
+        "--profile-dir",
+        default=envs.profile_dir(),
+        help="directory for torch profiler traces (StartProfile / StopProfile); default "
+        "TANDEM_PROFILE_DIR; unset: profiling is off",
+    )
     lora = p.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     lora.add_argument(
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             attention_backend=args.attention_backend,
             lora=lora_config,
+            profile_dir=args.profile_dir,
         )
         return EngineCore(config)
 

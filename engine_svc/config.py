@@ -82,6 +82,8 @@ class EngineConfig:
     pad_decode_batches: bool | None = None
     # Multi-LoRA serving (--enable-lora and friends); None: the engine serves no adapters.
     lora: LoRAConfig | None = None
+    # Where StartProfile / StopProfile write torch profiler traces; None: profiling is off.
+    profile_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in BACKENDS:

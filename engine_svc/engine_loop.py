@@ -3,9 +3,17 @@
     gRPC handlers (asyncio) --submit/abort--> queue --> loop thread: drain, step(), route
     per-client sink  <--call_soon_threadsafe-- outputs of that client's requests, once per step
 
-Other work on the engine (LoRA adapters added, removed, pinned) goes through the same queue as a
-call (``call``): it runs between two steps, in order with the requests queued before and after
-it, and its result comes back on a future.
+Other work on the engine (LoRA adapters added, removed, pinned; utility calls) goes through the
+same queue as a call (``call``): it runs between two steps, in order with the requests queued
+before and after it, and its result comes back on a future.
+
+Sleep mode (``sleep`` / ``wake_up``): from the moment ``sleep`` is called the engine refuses new
+requests (``Asleep``, an ``Unavailable``: health NOT_SERVING), while the ones already taken in
+run to their end; once none is left the core goes to sleep and the future resolves. While asleep
+the loop never steps, but it still drains its queue (calls, aborts) and keeps its heartbeat fresh,
+so the stall detector never takes a sleeping engine for a stalled one. ``wake_up`` wakes it (or
+cancels a sleep still waiting for its requests: that ``sleep`` future fails with
+``SleepCancelled``).
 
 Request ids are scoped per client: two clients may both send "req-1". Internally a request is
 ``"{client}/{id}"``; outputs go back under the client's own id.
@@ -36,6 +44,7 @@ from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import SchedulerStats
+from engine_svc.worker.sleep_mode import check_sleep_level
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,6 +93,14 @@ class Unavailable(Exception):
 
 class Draining(Unavailable):
     """The engine is shutting down and takes no new work."""
+
+
+class Asleep(Unavailable):
+    """The engine sleeps, or is going to sleep, and takes no new work until woken up."""
+
+
+class SleepCancelled(Exception):
+    """A sleep still waiting for its requests to finish was cancelled by a wake up."""
 
 
 @dataclass
@@ -139,6 +156,11 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.draining = False
+        # Sleep mode. _sleep_waiters / _sleep_pending under _lock; ``sleeping`` is written by
+        # the loop thread (under _lock) and read anywhere.
+        self._sleep_waiters: list[tuple[int, concurrent.futures.Future[None]]] = []
+        self._sleep_pending = False
+        self.sleeping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ called from any thread
@@ -171,6 +193,10 @@ class EngineLoop:
             return "the engine is shutting down"
         if self._built.is_set() and not self._thread.is_alive():
             return "the engine loop has stopped; see the engine log"
+        if self.sleeping:
+            return "the engine is asleep (Sleep); WakeUp wakes it"
+        if self._sleep_pending:
+            return "the engine is going to sleep (Sleep); WakeUp wakes it"
         age = time.monotonic() - self._heartbeat
         if age > self.stall_timeout_s:
             return f"the engine loop has made no progress for {age:.1f}s"
@@ -198,6 +224,8 @@ class EngineLoop:
             raise Unavailable(reason)
         internal = f"{client}/{request_id}"
         with self._lock:
+            if self.sleeping or self._sleep_pending:  # checked again under the lock: see sleep()
+                raise Asleep("the engine is asleep or going to sleep (Sleep); WakeUp wakes it")
             if internal in self._owner:
                 raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
             if self.load.num_waiting + self._pending_adds >= self.max_waiting:
@@ -227,6 +255,41 @@ class EngineLoop:
                 raise Unavailable("the engine loop is not running")
             self._inbox.put(_Call(fn, future))
         return future
+
+    def sleep(self, level: int) -> concurrent.futures.Future[None]:
+        """Put the engine to sleep at ``level`` (1 or 2; ValueError otherwise) once the requests
+        already taken in have finished; new ones are refused from now on. The future resolves
+        when the engine sleeps (at once if it already does: sleeping again is a no-op), or
+        fails with SleepCancelled (a wake up came first) or the core's error."""
+        check_sleep_level(level)  # before anything is refused
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self._build_error is not None or not self._thread.is_alive():
+                raise Unavailable("the engine loop is not running")
+            if self.sleeping:
+                future.set_result(None)
+                return future
+            # A submit that passed its check before this line has counted itself in
+            # _pending_adds already: the loop takes it in (and lets it finish) before sleeping.
+            self._sleep_pending = True
+            self._sleep_waiters.append((level, future))
+            self._inbox.put(_Call(lambda core: None, concurrent.futures.Future()))  # wake it
+        return future
+
+    def wake_up(self) -> concurrent.futures.Future[None]:
+        """Wake the engine (weights back, empty KV cache), or cancel a pending sleep; a no-op
+        when awake. Resolves once it takes work again."""
+        return self.call(lambda core: self._wake_up())
+
+    @property
+    def sleep_requested(self) -> bool:
+        """Whether the engine sleeps or waits for its requests to finish to go to sleep."""
+        return self.sleeping or self._sleep_pending
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps now (False while a sleep waits for its requests)."""
+        return self.sleeping
 
     def abort(self, client: str | None, request_ids: list[str]) -> int:
         """Abort by the client's ids (client None: match the id under any client)."""
@@ -273,6 +336,8 @@ class EngineLoop:
                     step = self.core.step()
                     self.load.update(step.stats)
                     self._route(step.outputs, step.errors)
+                if self._sleep_pending:
+                    self._try_sleep()
         except Exception:  # a bug in the engine: fail every request loudly, never hang them
             logger.exception("engine loop crashed; health is NOT_SERVING from now on")
             self._fail_all(RuntimeError("the engine loop crashed; see the engine log"))
@@ -284,6 +349,10 @@ class EngineLoop:
         refused by ``call`` itself."""
         with self._lock:
             self._closed = True
+            waiters, self._sleep_waiters = self._sleep_waiters, []
+        for _, future in waiters:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(Unavailable("the engine loop has stopped"))
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -339,6 +408,47 @@ class EngineLoop:
             item.future.set_result(item.fn(self.core))
         except Exception as e:  # the caller's error to handle (an unknown adapter ...)
             item.future.set_exception(e)
+
+    def _try_sleep(self) -> None:
+        """Sleep now if no request is left (none running or waiting, none on its way in)."""
+        with self._lock:
+            if self._pending_adds or self.core.has_unfinished_requests():
+                return
+            waiters, self._sleep_waiters = self._sleep_waiters, []
+        level = max(level for level, _ in waiters)
+        error: Exception | None = None
+        try:
+            self.core.sleep(level)
+        except Exception as e:  # a bad level (ValueError), or the runner failed
+            error = e
+        with self._lock:
+            self._sleep_pending = False
+            self.sleeping = error is None
+        if error is None:
+            self.load.update(self.core.scheduler.stats())
+            logger.info("engine asleep (level %d)", level)
+        elif not isinstance(error, ValueError):
+            logger.error("the engine failed to go to sleep: %s", error)
+        for _, future in waiters:
+            if future.set_running_or_notify_cancel():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+    def _wake_up(self) -> None:
+        """On the loop thread: cancel a pending sleep, or wake the core."""
+        with self._lock:
+            waiters, self._sleep_waiters = self._sleep_waiters, []
+            self._sleep_pending = False
+        for _, future in waiters:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(SleepCancelled("woken up before the engine went to sleep"))
+        if self.sleeping:
+            self.core.wake_up()
+            with self._lock:
+                self.sleeping = False
+            logger.info("engine awake")
 
     def _abort(self, item: _Abort) -> None:
         """Abort in the engine; each owner still listening gets a final ABORT output."""

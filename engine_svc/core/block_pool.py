@@ -119,10 +119,10 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible when no block is in use."""
-        if len(self._free) != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()
-        return True
+        """Forget the hash of every free block (its KV stays where it is, unreachable): a later
+        request computes its prompt again. Blocks in use keep theirs; returns False when some
+        were in use (their entries stay), True when every entry is gone."""
+        for block in self._free.values():
+            if block.block_hash is not None:
+                self.uncache(block)
+        return len(self._free) == self.num_blocks

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from engine_svc.config import EngineConfig
-from engine_svc.core.errors import ContextLengthError
+from engine_svc.core.errors import ContextLengthError, EngineAsleepError
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine_svc.core.pooling_params import ModelTasks, PoolingParams
@@ -23,8 +23,10 @@ from engine_svc.lora.manager import LoRAManager
 from engine_svc.lora.registry import LoRAInfo
 from engine_svc.models.loader import read_hf_config
 from engine_svc.models.tasks import checkpoint_kind, model_tasks
+from engine_svc.profiler import EngineProfiler
 from engine_svc.structured_output.manager import StructuredOutputManager
 from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
+from engine_svc.worker.sleep_mode import check_sleep_level
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             config.model.model, self.info.vocab_size, self.info.eos_token_ids
         )
+        self.profiler = EngineProfiler(config.profile_dir, self.runner.device)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -185,7 +188,10 @@ class EngineCore:
         (``LoRANotFoundError`` for an unknown ``lora_name``).
 
         With ``pooling_params`` it is a pooling request: ``params`` are ignored. ``lora_name``:
-        the adapter to run it with (None or empty: the base model), held until it finishes."""
+        the adapter to run it with (None or empty: the base model), held until it finishes.
+        EngineAsleepError while the engine sleeps."""
+        if self.is_sleeping:
+            raise EngineAsleepError("the engine is asleep; wake it up first")
         lora_id = self._acquire_lora(lora_name)
         try:
             return self._add_request(
@@ -299,6 +305,42 @@ class EngineCore:
 
     def _running_loras(self) -> set[int]:
         return {r.lora_id for r in self.scheduler.running if r.lora_id}
+
+    # ------------------------------------------------------------------ utility calls
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry of a block not in use; False when blocks in use kept
+        theirs (vLLM's reset_prefix_cache)."""
+        return self.kv.reset_prefix_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.sleep_level != 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Sleep mode: level 1 frees the KV cache and moves the weights to host memory; level 2
+        drops the weights too (read again from the checkpoint on wake up). The prefix cache is
+        reset (its KV goes with the cache). Only an idle engine sleeps (RuntimeError otherwise:
+        ``EngineLoop`` lets the running requests finish first); a no-op when asleep."""
+        check_sleep_level(level)
+        if self.is_sleeping:
+            return
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot sleep with requests in flight; let them finish first")
+        reset = self.kv.reset_prefix_cache()
+        assert reset, "no request runs, yet KV blocks are in use"
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Weights back on the device, an empty KV cache of the same size; a no-op when awake."""
+        self.runner.wake_up()
+
+    def start_profile(self) -> None:
+        """Start the torch profiler (ProfilerError: no profile directory, or one runs)."""
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop it and write the trace; returns its path (ProfilerError: none runs)."""
+        return self.profiler.stop()
 
     # ------------------------------------------------------------------ requests out
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:

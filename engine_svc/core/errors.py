@@ -11,3 +11,7 @@ class ContextLengthError(ValueError):
 
 class DuplicateRequestError(ValueError):
     """The request id is already used by an unfinished request of the same client."""
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine sleeps (sleep mode): it takes no request until it is woken up."""

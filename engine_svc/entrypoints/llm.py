@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine_svc import envs
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.request import FinishReason, Logprobs
@@ -93,6 +94,7 @@ class LLM(PoolingMixin):
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        profile_dir: str | Path | None = None,
     ) -> None:
         if model is None:
             from engine_svc.default_model import ensure_default_model
@@ -127,6 +129,7 @@ class LLM(PoolingMixin):
             attention_backend=attention_backend,
             pad_decode_batches=pad_decode_batches,
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+            profile_dir=str(profile_dir) if profile_dir is not None else envs.profile_dir(),
         )
         self.engine = EngineCore(config)
         self._lora_requests: dict[int, LoRARequest] = {}  # lora_int_id -> the first request
@@ -135,6 +138,32 @@ class LLM(PoolingMixin):
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
+
+    # ------------------------------------------------------------------ utility calls (vLLM's)
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (between two ``generate`` calls every block is free: True)."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and move the weights to host memory (level 1), or drop them
+        (level 2: read again from the checkpoint by :meth:`wake_up`). ``generate`` refuses to
+        run until :meth:`wake_up`."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Weights back on the device, an empty KV cache of the same size."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def start_profile(self) -> None:
+        """Start the torch profiler (needs ``profile_dir`` or TANDEM_PROFILE_DIR)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> str:
+        """Stop it and write the Chrome trace into the profile directory; returns its path."""
+        return self.engine.stop_profile()
 
     def generate(
         self,

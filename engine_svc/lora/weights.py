@@ -123,6 +123,10 @@ class LoRAWeights:
             for stack in stacks.values():
                 stack.clear(slot)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every slot tensor (what sleep mode takes off the device and puts back)."""
+        return [t for stacks in self.layers for s in stacks.values() for t in (s.a, s.b)]
+
     @property
     def nbytes(self) -> int:
         return sum(

@@ -5,7 +5,8 @@ bytes that are not the message, grpc.aio answers a unary call with UNKNOWN and l
 and a ``Stream`` just sees its request iterator end (the call ends OK, nothing logged). Here a
 request that does not parse becomes a :class:`Malformed` value instead: unary calls are answered
 INVALID_ARGUMENT before the servicer runs, and ``Stream`` ends the call with INVALID_ARGUMENT
-itself. The method table is read from the service descriptor, so it follows the ``.proto``.
+itself. The method table is read from the service descriptor, so it follows the ``.proto``; a
+method the servicer does not implement answers UNIMPLEMENTED (no traceback logged).
 """
 
 from __future__ import annotations
@@ -67,11 +68,28 @@ def _reject_malformed_stream(behaviour: Callable[..., Any], method: str) -> Call
     return streaming
 
 
+def _unimplemented(path: str, streaming: bool) -> Callable[..., Any]:
+    """UNIMPLEMENTED for a method the servicer leaves to the generated base class, which would
+    raise NotImplementedError (grpc.aio then logs a traceback)."""
+    details = f"{path} is not implemented by this engine"
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+        yield  # pragma: no cover - abort() raises; this makes it an async generator
+
+    return stream if streaming else unary
+
+
 def _handler(servicer: object, method: MethodDescriptor) -> grpc.RpcMethodHandler:
     request_cls = message_factory.GetMessageClass(method.input_type)
     response_cls = message_factory.GetMessageClass(method.output_type)
-    behaviour = getattr(servicer, method.name)
     path = f"/{method.containing_service.full_name}/{method.name}"
+    behaviour = getattr(servicer, method.name)
+    if getattr(behaviour, "__module__", "").endswith("_pb2_grpc"):  # the generated placeholder
+        behaviour = _unimplemented(path, method.server_streaming)
     kwargs: dict[str, Any] = {
         "request_deserializer": _lenient(request_cls),
         "response_serializer": response_cls.SerializeToString,

@@ -161,6 +161,8 @@ async def _watch_progress(loop: EngineLoop, service: health.HealthService) -> No
             serving = reason is None
             if serving:
                 logger.warning("engine loop is making progress again: SERVING")
+            elif loop.sleep_requested:
+                logger.info("engine NOT_SERVING: %s", reason)  # asked for: not an error
             else:
                 logger.error("engine NOT_SERVING: %s", reason)
             await service.set_serving(serving)

@@ -3,7 +3,7 @@
 Stream:   one client per call; its requests' outputs come back once per engine step.
 Generate: one request per call; cancelling the call aborts it.
 Errors:   INVALID_ARGUMENT (parameter named), OUT_OF_RANGE (context length), RESOURCE_EXHAUSTED
-          (waiting queue full), UNAVAILABLE (draining, stalled), as the proto's ErrorCode
+          (waiting queue full), UNAVAILABLE (draining, stalled, asleep), as the proto's ErrorCode
           documents. In Stream they arrive per request, never ending the stream; a Stream ends
           with a status only on a malformed message (INVALID_ARGUMENT) or when the engine stops
           (UNAVAILABLE).
@@ -33,6 +33,7 @@ from engine_svc.lora.errors import LoRAError
 from engine_svc.rpc import convert
 from engine_svc.rpc.handlers import Malformed
 from engine_svc.rpc.lora_rpcs import LoRARpcs, lora_status
+from engine_svc.rpc.utility_rpcs import UtilityRpcs
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -91,7 +92,7 @@ class InFlight:
 _StreamItem = ClientBatch | tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
 
 
-class EngineServicer(LoRARpcs, pb_grpc.EngineServicer):
+class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, info: ModelInfo, model_dir: str, version: str) -> None:
         self.loop = loop
         self.info = info

@@ -40,12 +40,14 @@ from engine_svc.worker.input_batch import InputBatch
 from engine_svc.worker.pooler import Pooler
 from engine_svc.worker.sampler import gather_logprobs, sample
 from engine_svc.worker.sampling_inputs import sampling_metadata
+from engine_svc.worker.sleep_mode import SleepingWeights, check_sleep_level, put_to_sleep
 from engine_svc.worker.step_inputs import StepBuffers, build_step, decode_buckets
 from kernels.attention_backends import Kernels, select_kernels
 
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 512 * 2**20
+_WHERE = {1: "kept in host memory", 2: "dropped (read again from the checkpoint on wake up)"}
 
 
 @dataclass
@@ -79,19 +81,8 @@ class ModelRunner:
             self.lora = LoRAManager(config.lora, dims, self.dtype, self.device)
             self.model.attach_lora(self.lora.weights)
         self.layout = self._kv_layout()
-        shape = (
-            self.layout.num_blocks,
-            self.block_size,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-        )
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.spec.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv_caches()
+        self._asleep: SleepingWeights | None = None  # sleep mode: what went off the device
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
         sched = config.scheduler
         max_blocks = -(-max_model_len // self.block_size)
@@ -116,6 +107,56 @@ class ModelRunner:
             self.dtype,
             self.layout.num_blocks,
             self.block_size,
+        )
+
+    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (key, value) pair of zeroed ``[num_blocks, block_size, kv_heads, head_dim]``
+        tensors per layer."""
+        shape = (
+            self.layout.num_blocks,
+            self.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+        )
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.spec.num_layers)
+        ]
+
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level it sleeps at."""
+        return 0 if self._asleep is None else self._asleep.level
+
+    def kv_cache_nbytes(self) -> int:
+        """Bytes the KV cache tensors hold now (0 while asleep)."""
+        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and take the weights off the device (``sleep_mode``). The caller
+        makes sure no request is in the persistent batch. A no-op when already asleep."""
+        check_sleep_level(level)
+        if self._asleep is not None:
+            return
+        self.kv_caches = []  # the only references: the storage goes now
+        extra = [] if self.lora is None else self.lora.weights.tensors()
+        self._asleep = put_to_sleep(level, self.model, extra, self.device)
+        logger.info("asleep (level %d): KV cache freed, weights %s", level, _WHERE[level])
+
+    def wake_up(self) -> None:
+        """Weights back on the device and a new, zeroed KV cache of the same number of blocks.
+        A no-op when awake."""
+        if self._asleep is None:
+            return
+        self._asleep.wake_up(self.model, self.config.model.model)
+        self._asleep = None
+        self.kv_caches = self._allocate_kv_caches()
+        logger.info(
+            "awake: weights on %s, KV cache of %d blocks", self.device, self.layout.num_blocks
         )
 
     def _select_kernels(self) -> Kernels:
@@ -163,6 +204,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self._asleep is not None:
+            raise RuntimeError("the model runner is asleep; wake_up() first")
         self._update_batch(so)
         if so.is_empty:
             return ModelRunnerOutput()

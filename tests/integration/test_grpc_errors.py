@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
+from tests.chaos.clients import wait_idle
 from tests.integration.grpc_util import StreamSession, add_request, generate, tokens_of
 from tests.integration.harness import MODEL, Engine, Gateway
 
@@ -116,8 +117,12 @@ def tiny_queue(cache_dir: Path, log_dir: Path) -> Iterator[tuple[Engine, Gateway
         engine.stop()
 
 
-def _fill(stub: pb_grpc.EngineStub) -> StreamSession:
-    """One request running, one waiting: the one-slot engine's queue is full."""
+def _fill(stub: pb_grpc.EngineStub, address: str) -> StreamSession:
+    """One request running, one waiting: the one-slot engine's queue is full. Waits first until
+    the engine is idle (the previous test's requests are aborted when its stream is cancelled,
+    which the engine sees a moment later)."""
+    load = wait_idle(address)
+    assert not (load.num_running_requests or load.num_waiting_requests), load
     session = StreamSession(stub)
     session.add(add_request("running", PROMPT, 1900))
     messages = iter(session)
@@ -136,7 +141,7 @@ def test_queue_full_resource_exhausted(tiny_queue: tuple[Engine, Gateway]) -> No
     engine, _ = tiny_queue
     with grpc.insecure_channel(engine.address) as channel:
         stub = pb_grpc.EngineStub(channel)
-        session = _fill(stub)
+        session = _fill(stub, engine.address)
         try:
             error = _status(stub, add_request("third", PROMPT, 4))
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
@@ -154,7 +159,7 @@ def test_queue_full_resource_exhausted(tiny_queue: tuple[Engine, Gateway]) -> No
 def test_http_429_when_engine_queue_full(tiny_queue: tuple[Engine, Gateway]) -> None:
     engine, gateway = tiny_queue
     with grpc.insecure_channel(engine.address) as channel:
-        session = _fill(pb_grpc.EngineStub(channel))
+        session = _fill(pb_grpc.EngineStub(channel), engine.address)
         try:
             for stream in (False, True):
                 r = httpx.post(
