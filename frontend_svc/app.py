@@ -14,12 +14,21 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_types import EngineRequestError, EngineUnavailableError
+from frontend_svc.engine_types import EngineCallError, EngineRequestError, EngineUnavailableError
 from frontend_svc.errors import ApiError, from_engine_error, from_http_status, unauthorized
 from frontend_svc.gateway_state import GatewayState
 from frontend_svc.limits import RequestLimitsMiddleware
 from frontend_svc.prompt_encoder import PromptEncoder
-from frontend_svc.routes import chat, completions, pooling, scoring, system, tokenize
+from frontend_svc.routes import (
+    adapters,
+    chat,
+    completions,
+    pooling,
+    scoring,
+    system,
+    tokenize,
+    utility,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +107,18 @@ def build_app(config: FrontendConfig) -> Starlette:
         Route("/metrics", system.metrics, methods=["GET"]),
         Route("/openapi.json", system.openapi, methods=["GET"]),
     ]
+    # Off by default, as in vLLM (they change what every client gets): a disabled path is a 404.
+    if config.enable_runtime_lora_updating:
+        routes += adapters.routes()
+    if config.enable_utility_endpoints:
+        routes += utility.routes()
+    if (config.enable_runtime_lora_updating or config.enable_utility_endpoints) and not (
+        config.api_key
+    ):
+        logger.warning(
+            "LoRA loading or utility endpoints (sleep, profiling ...) are served without "
+            "--api-key: anyone who reaches this port can use them"
+        )
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -106,6 +127,7 @@ def build_app(config: FrontendConfig) -> Starlette:
             HTTPException: http_error,
             EngineRequestError: engine_error,
             EngineUnavailableError: engine_error,
+            EngineCallError: engine_error,
             Exception: unexpected,
         },
     )

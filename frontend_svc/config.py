@@ -116,6 +116,12 @@ class FrontendConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser reads
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" unless asked not to
     enable_force_include_usage: bool = False  # the usage chunk ends every stream
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: those paths are 404
+    enable_runtime_lora_updating: bool = False
+    # /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile, /stop_profile (vLLM's
+    # dev-mode routes); off: those paths are 404
+    enable_utility_endpoints: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -318,6 +324,20 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "--enable-force-include-usage",
         "end every stream with a usage chunk, as if it asked for stream_options.include_usage",
     )
+    _flag(
+        p,
+        env,
+        "--enable-runtime-lora-updating",
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (every engine loads or "
+        "unloads; use with --api-key)",
+    )
+    _flag(
+        p,
+        env,
+        "--enable-utility-endpoints",
+        "serve /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile and "
+        "/stop_profile (on every engine; use with --api-key)",
+    )
     _option(p, env, "--log-level", d.log_level)
     return p
 
@@ -354,6 +374,8 @@ def config_from_args(
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_force_include_usage=args.enable_force_include_usage,
+            enable_runtime_lora_updating=args.enable_runtime_lora_updating,
+            enable_utility_endpoints=args.enable_utility_endpoints,
         )
     except ValueError as e:
         parser.error(str(e))

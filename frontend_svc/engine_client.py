@@ -13,6 +13,10 @@ connected.
 Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
 drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
 pool stops sending it new requests while it cannot generate.
+
+The engine's unary calls (LoRA adapters: ``add_lora`` ...; utilities: ``sleep`` ...) go over the
+same channel while it is open; a refusal is an :class:`EngineCallError` carrying the gRPC status
+as an :class:`EngineErrorCode` (UNIMPLEMENTED: an engine that predates the rpc).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import logging
 import sys
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import grpc
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine_health import HealthFollower
 from frontend_svc.engine_types import (
+    EngineCallError,
     EngineErrorCode,
     EngineOutput,
     EnginePoolingParams,
@@ -37,6 +43,7 @@ from frontend_svc.engine_types import (
     EngineUnavailableError,
     FinishReason,
     LoadFigures,
+    LoraAdapter,
     ModelInfo,
     PoolingTask,
     TokenizerFiles,
@@ -47,6 +54,7 @@ from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
 OnLoad = Callable[[LoadFigures], None]
@@ -65,6 +73,20 @@ _ERROR_CODES = {
     pb.ERROR_CODE_DUPLICATE_REQUEST_ID: EngineErrorCode.DUPLICATE_REQUEST_ID,
     pb.ERROR_CODE_UNAVAILABLE: EngineErrorCode.UNAVAILABLE,
     pb.ERROR_CODE_INTERNAL: EngineErrorCode.INTERNAL,
+    pb.ERROR_CODE_NOT_FOUND: EngineErrorCode.NOT_FOUND,
+}
+# The gRPC status of a refused unary call, as the domain's code (anything else: INTERNAL).
+_CALL_STATUSES = {
+    grpc.StatusCode.INVALID_ARGUMENT: EngineErrorCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE: EngineErrorCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: EngineErrorCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS: EngineErrorCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION: EngineErrorCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNIMPLEMENTED: EngineErrorCode.UNIMPLEMENTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: EngineErrorCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: EngineErrorCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED: EngineErrorCode.UNAVAILABLE,  # the channel closed under it
+    grpc.StatusCode.DEADLINE_EXCEEDED: EngineErrorCode.UNAVAILABLE,
 }
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # tokenizer chunks and long prompts
 ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -101,6 +123,7 @@ class EngineClient:
         # The engine's own verdict (grpc.health.v1 Watch): False while it drains or is stalled.
         self._health: HealthFollower | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stub: pb_grpc.EngineStub | None = None  # while a channel is open (unary calls)
         self._closing = False
         self.model_info: ModelInfo | None = None
         self.last_error: str | None = None
@@ -186,6 +209,79 @@ class EngineClient:
         if ids and self._outbox is not None:
             self._outbox.put_nowait(pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=ids)))
 
+    # -- adapter and utility calls (unary rpcs) ---------------------------------------------
+    #
+    # Loading an adapter reads it from disk; sleeping waits for the running requests; waking up
+    # may reload the weights: those calls get no deadline (a dead engine still fails them, by
+    # the channel's keepalive). Queries get the usual rpc timeout.
+
+    async def add_lora(self, name: str, path: str, pin: bool = False) -> LoraAdapter:
+        """Load a PEFT adapter directory under ``name`` (``pin``: keep it on the device)."""
+        request = pb.AddLoraRequest(lora_name=name, lora_path=path, pin=pin)
+        reply = await self._call("AddLora", lambda stub: stub.AddLora(request))
+        return _lora(reply.lora)
+
+    async def remove_lora(self, name: str) -> None:
+        request = pb.RemoveLoraRequest(lora_name=name)
+        await self._call("RemoveLora", lambda stub: stub.RemoveLora(request))
+
+    async def list_loras(self) -> tuple[LoraAdapter, ...]:
+        """The loaded adapters, in load order."""
+        timeout = self._rpc_timeout_s
+        reply = await self._call(
+            "ListLoras", lambda stub: stub.ListLoras(pb.ListLorasRequest(), timeout=timeout)
+        )
+        return tuple(_lora(lo) for lo in reply.loras)
+
+    async def pin_lora(self, name: str) -> None:
+        request = pb.PinLoraRequest(lora_name=name)
+        await self._call("PinLora", lambda stub: stub.PinLora(request, timeout=self._rpc_timeout_s))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False when blocks in use kept their entries."""
+        request = pb.ResetPrefixCacheRequest()
+        timeout = self._rpc_timeout_s
+        reply = await self._call(
+            "ResetPrefixCache", lambda stub: stub.ResetPrefixCache(request, timeout=timeout)
+        )
+        return bool(reply.reset)
+
+    async def sleep(self, level: int) -> None:
+        """Level 1: KV cache freed, weights to host memory; 2: weights dropped too."""
+        request = pb.SleepRequest(level=level)
+        await self._call("Sleep", lambda stub: stub.Sleep(request))
+
+    async def wake_up(self) -> None:
+        await self._call("WakeUp", lambda stub: stub.WakeUp(pb.WakeUpRequest()))
+
+    async def is_sleeping(self) -> bool:
+        request, timeout = pb.IsSleepingRequest(), self._rpc_timeout_s
+        reply = await self._call(
+            "IsSleeping", lambda stub: stub.IsSleeping(request, timeout=timeout)
+        )
+        return bool(reply.is_sleeping)
+
+    async def start_profile(self) -> None:
+        request, timeout = pb.StartProfileRequest(), self._rpc_timeout_s
+        await self._call("StartProfile", lambda stub: stub.StartProfile(request, timeout=timeout))
+
+    async def stop_profile(self) -> str:
+        """Stop the profiler; where the engine wrote the trace."""
+        reply = await self._call(
+            "StopProfile", lambda stub: stub.StopProfile(pb.StopProfileRequest())
+        )
+        return str(reply.trace_path)
+
+    async def _call(self, rpc: str, call: Callable[[Any], Awaitable[T]]) -> T:
+        stub = self._stub
+        if stub is None:
+            raise EngineUnavailableError(self._unavailable_reason())
+        try:
+            return await call(stub)
+        except grpc.aio.AioRpcError as e:
+            code = _CALL_STATUSES.get(e.code(), EngineErrorCode.INTERNAL)
+            raise EngineCallError(rpc, self.address, code, e.details() or e.code().name) from None
+
     # -- connection loop --------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -231,7 +327,7 @@ class EngineClient:
         connected = accepted = False
         watcher: asyncio.Task[None] | None = None
         try:
-            stub = pb_grpc.EngineStub(channel)
+            stub = self._stub = pb_grpc.EngineStub(channel)
             info = _model_info(
                 await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._rpc_timeout_s)
             )
@@ -264,6 +360,7 @@ class EngineClient:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            self._stub = None
             self._health = None
             self._connected.clear()
             self._outbox = None
@@ -377,6 +474,7 @@ def _add_request(request: EngineRequest) -> pb.AddRequest:
         sampling_params=params,
         priority=request.priority,
         arrival_time=request.arrival_time,
+        lora_name=request.lora_name,
     )
 
 
@@ -401,6 +499,7 @@ def _add_pooling_request(request: EngineRequest, pp: EnginePoolingParams) -> pb.
         priority=request.priority,
         arrival_time=request.arrival_time,
         pooling_params=params,
+        lora_name=request.lora_name,
     )
 
 
@@ -494,4 +593,16 @@ def _model_info(info: pb.GetModelInfoResponse) -> ModelInfo:
         is_matryoshka=info.is_matryoshka,
         matryoshka_dimensions=tuple(info.matryoshka_dimensions),
         labels=tuple(info.labels),
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
+    )
+
+
+def _lora(info: pb.LoraInfo) -> LoraAdapter:
+    return LoraAdapter(
+        name=info.lora_name,
+        path=info.lora_path,
+        rank=info.rank,
+        pinned=info.pinned,
+        on_device=info.on_device,
     )

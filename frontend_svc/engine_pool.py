@@ -9,6 +9,14 @@ ones. When that engine fails the request before it produced a token (stream brok
 queue full) it is sent to another engine; once tokens have reached the client, the error is the
 client's. An engine whose stream breaks leaves the rotation at once and rejoins when its client
 reconnects. Engines must serve the same model and tokenizer; one that does not is kept out.
+
+LoRA adapters and the engine's utility calls (sleep, prefix-cache reset, profiling) act on every
+connected engine at once, as vLLM's data-parallel engines do; their answers are combined (asleep
+only if every engine is) and a failure names the engine. A load that fails on one engine is
+undone on the others. The pool keeps each engine's adapters (read with ListLoras when it
+connects, after each load and unload, and when a request names an adapter nobody here knows: it
+may have been loaded through another gateway); a request with an adapter only goes to an engine
+that has it.
 """
 
 from __future__ import annotations
@@ -20,14 +28,17 @@ import functools
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
 from frontend_svc.config import FrontendConfig, TlsClientConfig
 from frontend_svc.engine_client import EngineClient
 from frontend_svc.engine_types import (
+    EngineCallError,
     EngineErrorCode,
     EngineOutput,
     EngineRequest,
@@ -35,12 +46,14 @@ from frontend_svc.engine_types import (
     EngineUnavailableError,
     FinishReason,
     LoadFigures,
+    LoraAdapter,
     ModelInfo,
     TokenizerFiles,
 )
 from frontend_svc.routing import Router
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
 OnLoad = Callable[[str, LoadFigures], None]
@@ -125,6 +138,8 @@ class _Engine:
     info: ModelInfo | None = None
     files: TokenizerFiles | None = None
     retiring: bool = False  # left DNS: no new requests, closed once idle
+    loras: dict[str, LoraAdapter] = field(default_factory=dict)  # its adapters, by name
+    sleeping: bool = False  # put to sleep (by this gateway, or found asleep on connecting)
 
     @property
     def load(self) -> int:
@@ -160,6 +175,10 @@ class EnginePool:
         self._resolver: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self.last_error: str | None = None
+        # Loads, unloads and adapter-list reads take turns, so a list read before a load
+        # cannot overwrite what the load recorded.
+        self._lora_lock = asyncio.Lock()
+        self._loras_read_at = 0.0  # time.monotonic() of the last read of every engine's list
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -205,6 +224,7 @@ class EnginePool:
                 "serving": self._usable(e),
                 "in_flight": e.in_flight,
                 "load": e.load,
+                **({"sleeping": True} if e.sleeping and not e.client.serving else {}),
                 **({"error": e.client.last_error} if e.client.last_error else {}),
                 **({"retiring": True} if e.retiring else {}),
             }
@@ -214,8 +234,10 @@ class EnginePool:
     def unavailable_reason(self) -> str:
         errors = []
         for a, e in self._engines.items():
-            if e.client.connected and not e.client.serving:
-                errors.append(f"{a}: not serving (draining or stalled)")
+            if e.client.connected and not e.client.serving and e.sleeping:
+                errors.append(f"{a}: asleep (POST /wake_up wakes it)")
+            elif e.client.connected and not e.client.serving:
+                errors.append(f"{a}: not serving (draining, stalled or asleep)")
             elif not e.client.connected and e.client.last_error:
                 errors.append(f"{a}: {e.client.last_error}")
         if not self._engines:
@@ -234,9 +256,15 @@ class EnginePool:
         """
         tried: set[str] = set()
         last_error: Exception | None = None
+        lora = request.lora_name
         while True:
             engine = self._pick(request, tried)
             if engine is None:
+                if last_error is None and lora and not self.has_adapter(lora):
+                    last_error = EngineRequestError(
+                        EngineErrorCode.NOT_FOUND,
+                        f"The LoRA adapter `{lora}` is not loaded on any engine.",
+                    )
                 raise last_error or EngineUnavailableError(self.unavailable_reason())
             address = engine.client.address
             tried.add(address)
@@ -252,6 +280,15 @@ class EnginePool:
                 return
             except (EngineUnavailableError, EngineRequestError) as e:
                 retryable = isinstance(e, EngineUnavailableError) or e.code in _RETRYABLE_CODES
+                if (
+                    lora
+                    and isinstance(e, EngineRequestError)
+                    and e.code is EngineErrorCode.NOT_FOUND
+                ):
+                    # Unloaded behind this gateway's back (another gateway): another engine may
+                    # still have it.
+                    engine.loras.pop(lora, None)
+                    retryable = True
                 if produced or not retryable:
                     raise
                 logger.info("request %s: engine %s failed (%s)", request.request_id, address, e)
@@ -265,17 +302,156 @@ class EnginePool:
         return e.client.serving and e.info is not None and not e.retiring
 
     def _pick(self, request: EngineRequest, exclude: set[str]) -> _Engine | None:
+        lora = request.lora_name
         candidates = {
-            a: e for a, e in self._engines.items() if self._usable(e) and a not in exclude
+            a: e
+            for a, e in self._engines.items()
+            if self._usable(e) and a not in exclude and (not lora or lora in e.loras)
         }
         if not candidates:
             return None
         choice = self.router.choose(
-            request.prompt_token_ids, {a: e.load for a, e in candidates.items()}
+            request.prompt_token_ids, {a: e.load for a, e in candidates.items()}, lora
         )
         if self._on_route is not None:
             self._on_route(choice.address, choice.affinity_tokens)
         return candidates[choice.address]
+
+    # -- LoRA adapters and utility calls: on every engine ------------------------------------
+
+    def adapters(self) -> dict[str, LoraAdapter]:
+        """The adapters of the engines in rotation (name -> adapter), by engine, in load order."""
+        out: dict[str, LoraAdapter] = {}
+        for _, e in sorted(self._engines.items()):
+            if e.info is not None and not e.retiring:
+                for name, adapter in e.loras.items():
+                    out.setdefault(name, adapter)
+        return out
+
+    def has_adapter(self, name: str) -> bool:
+        """Whether an engine in rotation has adapter ``name`` (no rpc)."""
+        return any(
+            name in e.loras for e in self._engines.values() if e.info is not None and not e.retiring
+        )
+
+    async def refresh_adapters(self, max_age_s: float = 0.0, wait: bool = True) -> None:
+        """Read every connected engine's adapters again, unless that was done within
+        ``max_age_s`` seconds (calls that arrive together share one read). An engine that fails
+        to answer keeps what was known of it. ``wait=False``: skip it while a load or unload
+        runs (it will read them when done) rather than wait for that."""
+        if not wait and self._lora_lock.locked():
+            return
+        async with self._lora_lock:
+            if time.monotonic() - self._loras_read_at < max_age_s:
+                return
+            await self._read_adapters()
+
+    async def _read_adapters(self) -> None:
+        self._loras_read_at = time.monotonic()
+        engines = self._connected_engines()
+        for e, result in await _each(engines, lambda c: c.list_loras()):
+            if isinstance(result, EngineCallError) and result.code is EngineErrorCode.UNIMPLEMENTED:
+                e.loras = {}
+            elif isinstance(result, Exception):
+                logger.warning("reading the adapters of %s: %s", e.client.address, result)
+            else:
+                e.loras = {a.name: a for a in result}
+
+    async def add_lora(self, name: str, path: str, pin: bool = False) -> None:
+        """Load an adapter on every connected engine. If any engine fails, it is unloaded again
+        from those that loaded it, and the error (the first failing engine's) says so."""
+        async with self._lora_lock:
+            engines = self._connected_engines(required=True)
+            results = await _each(engines, lambda c: c.add_lora(name, path, pin))
+            failures = [(e, r) for e, r in results if isinstance(r, Exception)]
+            loaded = [e for e, r in results if not isinstance(r, Exception)]
+            if failures:
+                undo = await _each(loaded, lambda c: c.remove_lora(name))
+                notes = [
+                    f"unloading it again from {e.client.address} failed: {r}"
+                    if isinstance(r, Exception)
+                    else f"it was unloaded again from {e.client.address}, which had loaded it"
+                    for e, r in undo
+                ]
+                raise _combined(failures, len(engines), notes)
+            for e, result in results:
+                assert isinstance(result, LoraAdapter)
+                e.loras[name] = result
+            await self._read_adapters()
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter from every connected engine (an engine that does not have it, or
+        knows no adapters at all, is fine). NOT_FOUND when no engine had it."""
+        async with self._lora_lock:
+            engines = self._connected_engines(required=True)
+            results = await _each(engines, lambda c: c.remove_lora(name))
+            absent = (EngineErrorCode.NOT_FOUND, EngineErrorCode.UNIMPLEMENTED)
+            failures, missing, removed = [], [], 0
+            for e, result in results:
+                if isinstance(result, EngineCallError) and result.code in absent:
+                    missing.append((e, result))
+                elif isinstance(result, Exception):
+                    failures.append((e, result))
+                    continue
+                else:
+                    removed += 1
+                e.loras.pop(name, None)
+            await self._read_adapters()
+            if failures:
+                raise _combined(failures, len(engines))
+            if not removed:
+                raise _combined(missing[:1], 1)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Reset every engine's prefix cache; False when some kept entries in use."""
+        return all(await self._on_every_engine(lambda c: c.reset_prefix_cache()))
+
+    async def sleep(self, level: int) -> None:
+        """Put every engine to sleep (those that failed stay awake; the error names them)."""
+        await self._on_every_engine(lambda c: c.sleep(level), sleeping=True)
+
+    async def wake_up(self) -> None:
+        await self._on_every_engine(lambda c: c.wake_up(), sleeping=False)
+
+    async def is_sleeping(self) -> bool:
+        """True when every connected engine sleeps."""
+        return all(await self._on_every_engine(lambda c: c.is_sleeping()))
+
+    async def start_profile(self) -> None:
+        await self._on_every_engine(lambda c: c.start_profile())
+
+    async def stop_profile(self) -> list[str]:
+        """Where each engine wrote its trace."""
+        return await self._on_every_engine(lambda c: c.stop_profile())
+
+    async def _on_every_engine(
+        self, call: Callable[[EngineClient], Awaitable[T]], sleeping: bool | None = None
+    ) -> list[T]:
+        """``call`` on every connected engine at once; the results in address order, or the
+        first failure (naming the engine when there are several). ``sleeping``: what a
+        success means for the engine's sleep state."""
+        engines = self._connected_engines(required=True)
+        results = await _each(engines, call)
+        failures = [(e, r) for e, r in results if isinstance(r, Exception)]
+        if sleeping is not None:
+            for e, result in results:
+                if not isinstance(result, Exception):
+                    e.sleeping = sleeping
+        if failures:
+            raise _combined(failures, len(engines))
+        return [r for _, r in results if not isinstance(r, Exception)]
+
+    def _connected_engines(self, required: bool = False) -> list[_Engine]:
+        """Engines accepted and connected (serving or not: a sleeping engine is reachable), in
+        address order. ``required``: an :class:`EngineUnavailableError` when there is none."""
+        engines = [
+            e
+            for _, e in sorted(self._engines.items())
+            if e.client.connected and e.info is not None and not e.retiring
+        ]
+        if required and not engines:
+            raise EngineUnavailableError(self.unavailable_reason())
+        return engines
 
     # -- engines joining and leaving --------------------------------------------------------
 
@@ -325,6 +501,7 @@ class EnginePool:
         if engine is None:
             raise EngineUnavailableError(f"engine {address} is no longer configured")
         engine.info = None  # out of rotation until accepted
+        loras, sleeping = await _adapters_and_sleep(engine.client)
         others = [
             e
             for a, e in self._engines.items()
@@ -341,6 +518,9 @@ class EnginePool:
         self.router.forget(address)  # a (re)connected engine starts with an empty cache
         self.router.set_block_size(info.block_size)
         engine.reported = 0
+        engine.loras, engine.sleeping = loras or {}, sleeping
+        if loras is None:
+            self._loras_read_at = 0.0  # the next refresh_adapters reads them, however recent
         engine.info, engine.files = info, files  # claimed before the await below
         if self._on_connect is not None:
             # Prompts are checked against the tightest context length among the engines.
@@ -387,6 +567,60 @@ class EnginePool:
                 if engine.target.dns and address not in wanted:
                     self._retire(address)
             await asyncio.sleep(self.config.routing.resolve_interval_s)
+
+
+async def _each(
+    engines: Sequence[_Engine], call: Callable[[EngineClient], Awaitable[T]]
+) -> list[tuple[_Engine, T | Exception]]:
+    """``call`` on every engine's client at once: (engine, result or the exception it raised)."""
+    results = await asyncio.gather(*(call(e.client) for e in engines), return_exceptions=True)
+    out: list[tuple[_Engine, T | Exception]] = []
+    for engine, result in zip(engines, results, strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result  # cancelled
+        out.append((engine, result))
+    return out
+
+
+def _combined(
+    failures: Sequence[tuple[_Engine, Exception]], num_engines: int, notes: Sequence[str] = ()
+) -> Exception:
+    """One error for the failures of a call made on ``num_engines`` engines: the first one's
+    kind, every failure's message, each naming its engine when there were several."""
+    first = failures[0][1]
+    if num_engines == 1 and not notes:
+        return first
+    parts = [f"engine {e.client.address}: {_message(err)}" for e, err in failures]
+    message = "; ".join(parts + list(notes))
+    if isinstance(first, EngineCallError):
+        return EngineCallError(first.rpc, first.address, first.code, message)
+    if isinstance(first, EngineUnavailableError):
+        return EngineUnavailableError(message)
+    return first
+
+
+def _message(error: Exception) -> str:
+    return error.message if isinstance(error, EngineCallError) else str(error)
+
+
+async def _adapters_and_sleep(client: EngineClient) -> tuple[dict[str, LoraAdapter] | None, bool]:
+    """A connecting engine's adapters and sleep state. An engine that predates those rpcs has
+    no adapters and is awake; one that fails to answer (a stalled loop) is taken all the same,
+    its adapters unknown (None) until the next read: the base model need not wait for them."""
+    listed, sleeping = await asyncio.gather(
+        client.list_loras(), client.is_sleeping(), return_exceptions=True
+    )
+    for what, result in (("its adapters", listed), ("whether it sleeps", sleeping)):
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result  # cancelled
+        if isinstance(result, Exception) and not (
+            isinstance(result, EngineCallError) and result.code is EngineErrorCode.UNIMPLEMENTED
+        ):
+            logger.warning("asking %s %s: %s", client.address, what, result)
+    loras = None if isinstance(listed, BaseException) else {a.name: a for a in listed}
+    if isinstance(listed, EngineCallError) and listed.code is EngineErrorCode.UNIMPLEMENTED:
+        loras = {}
+    return loras, sleeping is True
 
 
 def _mismatch(

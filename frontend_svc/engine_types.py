@@ -5,8 +5,11 @@ Nothing here knows about gRPC or HTTP; the routes and the output processing work
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -19,7 +22,8 @@ class FinishReason(enum.Enum):
 
 
 class EngineErrorCode(enum.Enum):
-    """Why the engine refused or failed one request (mirrors the proto's ErrorCode)."""
+    """Why the engine refused or failed one request (mirrors the proto's ErrorCode), or one of
+    its adapter / utility calls (the last three: gRPC statuses only those calls get)."""
 
     INVALID_ARGUMENT = "invalid_argument"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -27,6 +31,10 @@ class EngineErrorCode(enum.Enum):
     DUPLICATE_REQUEST_ID = "duplicate_request_id"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    NOT_FOUND = "not_found"  # a request's or a call's LoRA adapter is not loaded
+    ALREADY_EXISTS = "already_exists"  # AddLora: the name is in use
+    FAILED_PRECONDITION = "failed_precondition"  # the engine's state or setup rules the call out
+    UNIMPLEMENTED = "unimplemented"  # the engine has no such rpc (an older engine)
 
 
 class EngineUnavailableError(Exception):
@@ -40,6 +48,43 @@ class EngineRequestError(Exception):
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+
+
+class EngineCallError(Exception):
+    """An engine refused or failed one of its unary calls (``rpc``: the contract's name, e.g.
+    ``AddLora``); ``address``: which engine (the pool names it when several answered)."""
+
+    def __init__(self, rpc: str, address: str, code: EngineErrorCode, message: str) -> None:
+        super().__init__(f"{rpc} on {address}: {code.value}: {message}")
+        self.rpc = rpc
+        self.address = address
+        self.code = code
+        self.message = message
+
+
+# The LoRA adapter of the API call being served: engine requests made while it is set run with
+# it (``lora_scope``). The routes know the adapter, but the code between them and the request
+# objects (``generation``) does not take one; a context variable follows the call into the
+# tasks it starts, where a module global would leak between concurrent calls.
+_LORA_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_lora_name", default="")
+
+
+@contextlib.contextmanager
+def lora_scope(lora_name: str | None) -> Iterator[None]:
+    """Every :class:`EngineRequest` made inside (and in the tasks started inside) names
+    ``lora_name``; None or "": the base model. Scopes do not nest."""
+    if _LORA_NAME.get():
+        raise RuntimeError("lora_scope does not nest")
+    token = _LORA_NAME.set(lora_name or "")
+    try:
+        yield
+    finally:
+        _LORA_NAME.reset(token)
+
+
+def current_lora_name() -> str:
+    """The adapter of the enclosing :func:`lora_scope` ("" outside one: the base model)."""
+    return _LORA_NAME.get()
 
 
 @dataclass(frozen=True)
@@ -114,6 +159,8 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = 0.0  # Unix seconds; 0: the engine stamps it
     pooling_params: EnginePoolingParams | None = None
+    # The LoRA adapter to run with ("": the base model); by default the enclosing lora_scope's.
+    lora_name: str = field(default_factory=current_lora_name)
 
 
 @dataclass(frozen=True)
@@ -188,6 +235,19 @@ class ModelInfo:
     is_matryoshka: bool = False  # dimensions accepted
     matryoshka_dimensions: tuple[int, ...] = ()  # the ones accepted; empty: any up to the size
     labels: tuple[str, ...] = ()  # the classifier's labels, in output order
+    max_loras: int = 0  # LoRA adapters on the device at once; 0: the engine serves none
+    max_lora_rank: int = 0  # the largest adapter rank it accepts
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One LoRA adapter loaded on an engine (the contract's LoraInfo)."""
+
+    name: str
+    path: str  # the PEFT directory on the engine's file system
+    rank: int = 0
+    pinned: bool = False  # never moved off the device
+    on_device: bool = False  # its weights are on the device now (else in host memory)
 
 
 @dataclass(frozen=True)

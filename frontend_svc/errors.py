@@ -7,7 +7,12 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from frontend_svc.engine_types import EngineErrorCode, EngineRequestError, EngineUnavailableError
+from frontend_svc.engine_types import (
+    EngineCallError,
+    EngineErrorCode,
+    EngineRequestError,
+    EngineUnavailableError,
+)
 
 
 class ApiError(Exception):
@@ -126,6 +131,8 @@ def from_engine_error(error: Exception, retry_after_s: int) -> ApiError:
     """Map an engine-side failure to the HTTP error the client sees."""
     if isinstance(error, EngineUnavailableError):
         return engine_unavailable(str(error))
+    if isinstance(error, EngineCallError):
+        return from_call_error(error)
     if not isinstance(error, EngineRequestError):
         return ApiError(500, f"Internal error: {error!r}", type="internal_error")
     if error.code is EngineErrorCode.RESOURCE_EXHAUSTED:
@@ -142,4 +149,38 @@ def from_engine_error(error: Exception, retry_after_s: int) -> ApiError:
         return engine_unavailable(error.message)
     if error.code is EngineErrorCode.DUPLICATE_REQUEST_ID:
         return ApiError(409, error.message, type="invalid_request_error", code=error.code.value)
+    if error.code is EngineErrorCode.NOT_FOUND:  # the request's LoRA adapter is not loaded
+        return ApiError(
+            404, error.message, type="invalid_request_error", param="model", code="model_not_found"
+        )
     return ApiError(500, error.message, type="internal_error", code=error.code.value)
+
+
+# A refused adapter or utility call: 400 for what the caller asked wrong (a bad adapter
+# directory, a name in use, a profile that is not running ...), as vLLM answers a failed load.
+_CALL_STATUS = {
+    EngineErrorCode.INVALID_ARGUMENT: 400,
+    EngineErrorCode.ALREADY_EXISTS: 400,
+    EngineErrorCode.FAILED_PRECONDITION: 400,
+    EngineErrorCode.RESOURCE_EXHAUSTED: 400,  # e.g. a pin when every device slot is pinned
+    EngineErrorCode.NOT_FOUND: 404,
+}
+
+
+def from_call_error(error: EngineCallError) -> ApiError:
+    """An engine's refusal of an adapter or utility call, with the engine's own message (it
+    names the file of a bad adapter directory)."""
+    if error.code is EngineErrorCode.UNIMPLEMENTED:
+        return ApiError(
+            501,
+            f"The engine does not support this call: the engine at {error.address} does not "
+            f"implement {error.rpc} (an older engine); upgrade it. ({error.message})",
+            type="not_implemented_error",
+            code="not_implemented",
+        )
+    if error.code is EngineErrorCode.UNAVAILABLE:
+        return engine_unavailable(error.message)
+    status = _CALL_STATUS.get(error.code)
+    if status is None:
+        return ApiError(500, error.message, type="internal_error", code=error.code.value)
+    return ApiError(status, error.message, type="invalid_request_error", code=error.code.value)

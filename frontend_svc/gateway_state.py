@@ -16,6 +16,10 @@ from frontend_svc.tool_parsers import ToolParser, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
+# A request naming a model nobody here knows makes the gateway read the engines' adapter lists
+# again (it may have been loaded through another gateway or worker), at most this often.
+ADAPTER_REFRESH_S = 1.0
+
 
 class GatewayState:
     """Holds the engine connections and what was learned from the engines when they connected."""
@@ -75,10 +79,23 @@ class GatewayState:
             raise engine_unavailable(self.engines.unavailable_reason())
         return self.tokenizer, self.model_info
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served model (None is accepted where optional)."""
-        if model is not None and model != self.served_model_name:
-            raise model_not_found(model)
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names, None for the served model (or no model, where it
+        is optional); 404 for anything else. No rpc: the adapters the engines reported."""
+        if model is None or model == self.served_model_name:
+            return None
+        if self.engines.has_adapter(model):
+            return model
+        raise model_not_found(model)
+
+    async def resolve_model(self, model: str | None) -> str | None:
+        """:meth:`check_model`, but a name nobody here knows is looked for again on the engines
+        first (at most every ``ADAPTER_REFRESH_S``), so an adapter loaded through another
+        gateway or worker is found."""
+        if model is None or model == self.served_model_name or self.engines.has_adapter(model):
+            return self.check_model(model)
+        await self.engines.refresh_adapters(max_age_s=ADAPTER_REFRESH_S)
+        return self.check_model(model)
 
     def api_key_ok(self, authorization: str | None) -> bool:
         key = self.config.api_key

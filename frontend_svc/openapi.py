@@ -23,6 +23,7 @@ from frontend_svc.pooling_protocol import (
     RerankRequest,
     ScoreRequest,
 )
+from frontend_svc.protocol.adapters import LoadLoraAdapterBody, UnloadLoraAdapterBody
 from frontend_svc.protocol.models import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 REF = "#/components/schemas/{model}"
@@ -114,6 +115,35 @@ OPERATIONS: tuple[Operation, ...] = (
         Operation(path, "post", "Rerank documents", RerankRequest, GENERATION_ERRORS)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank")
     ),
+    # With --enable-runtime-lora-updating only (vLLM's runtime LoRA updating); text answers.
+    Operation(
+        "/v1/load_lora_adapter",
+        "post",
+        "Load a LoRA adapter on every engine",
+        LoadLoraAdapterBody,
+        (400, 413, 415, 431, 503),
+        ok={"description": "Loaded", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    ),
+    Operation(
+        "/v1/unload_lora_adapter",
+        "post",
+        "Unload a LoRA adapter from every engine",
+        UnloadLoraAdapterBody,
+        (400, 404, 413, 415, 431, 503),
+        ok={"description": "Unloaded", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    ),
+    # With --enable-utility-endpoints only (vLLM's dev-mode routes); on every engine.
+    Operation(
+        "/reset_prefix_cache",
+        "post",
+        "Reset the engines' prefix caches ({success})",
+        errors=(503,),
+    ),
+    Operation("/sleep", "post", "Put the engines to sleep (?level=1|2)", errors=(400, 503)),
+    Operation("/wake_up", "post", "Wake the engines up", errors=(400, 503)),
+    Operation("/is_sleeping", "get", "Whether every engine sleeps ({is_sleeping})", errors=(503,)),
+    Operation("/start_profile", "post", "Start the engines' profilers", errors=(400, 503)),
+    Operation("/stop_profile", "post", "Stop the profilers ({trace_paths})", errors=(400, 503)),
     Operation("/health", "get", "Engine connected", errors=(503,), public=True),
     Operation("/live", "get", "Process alive", public=True),
     Operation("/metrics", "get", "Prometheus metrics", public=True),

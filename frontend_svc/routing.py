@@ -9,7 +9,9 @@ Pure policy, no I/O (``engine_pool`` owns the connections and feeds this the fig
   hash, the same shape as the engine's prefix cache keys. The router remembers (LRU, bounded)
   which engine last received each prefix. A request whose longest remembered prefix covers at
   least ``min_tokens`` goes to that engine, as long as it carries at most ``max_imbalance`` more
-  requests than the least-loaded one; past that, balance wins over cache hits.
+  requests than the least-loaded one; past that, balance wins over cache hits. A request with a
+  LoRA adapter hashes its prefixes under the adapter's name: engines never share KV blocks
+  between adapters, so the same prompt under another adapter (or the base model) is a miss.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ class PrefixAffinity:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def keys(self, token_ids: Sequence[int]) -> list[int]:
-        """One chained hash per complete block of the prompt, shortest prefix first."""
+    def keys(self, token_ids: Sequence[int], lora_name: str = "") -> list[int]:
+        """One chained hash per complete block of the prompt, shortest prefix first; the chain
+        starts from the adapter's name (none: the base model)."""
         b = self.block_size
-        h = 0
+        h = hash(("lora", lora_name)) if lora_name else 0
         out = []
         for start in range(0, len(token_ids) - b + 1, b):
             h = hash((h, tuple(token_ids[start : start + b])))
@@ -84,8 +87,11 @@ class Router:
         if self.affinity is None or self.affinity.block_size != block_size:
             self.affinity = PrefixAffinity(block_size)
 
-    def choose(self, token_ids: Sequence[int], loads: Mapping[str, int]) -> Choice:
-        """Pick one of ``loads`` (address -> load) for a prompt and remember the choice."""
+    def choose(
+        self, token_ids: Sequence[int], loads: Mapping[str, int], lora_name: str = ""
+    ) -> Choice:
+        """Pick one of ``loads`` (address -> load) for a prompt (run with the LoRA adapter
+        ``lora_name``; "": the base model) and remember the choice."""
         if not loads:
             raise ValueError("no engine to choose from")
         least = min(loads.values())
@@ -93,7 +99,7 @@ class Router:
         address = tied[next(self._turn) % len(tied)]
         affinity_tokens = 0
         if self.affinity is not None and self.affinity_min_tokens > 0:
-            keys = self.affinity.keys(token_ids)
+            keys = self.affinity.keys(token_ids, lora_name)
             owner, matched = self.affinity.lookup(keys, loads)
             if (
                 owner is not None

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from frontend_svc.engine_types import lora_scope
 from frontend_svc.generation import (
     ChoiceResult,
     UsageCounter,
@@ -45,7 +46,7 @@ async def create_chat_completion(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_chat, info.max_logprobs, state.tool_parser is not None)
-    state.check_model(req.model)
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
     require_task(info, req.model, "generate", "chat completions (/v1/chat/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))
     prompt = await prompt_encoder(request).encode_chat(
@@ -74,14 +75,15 @@ async def create_chat_completion(request: Request) -> Response:
         req,
         tokenizer,
         random_id("chatcmpl"),
-        state.served_model_name or req.model,
+        lora or state.served_model_name or req.model,
         parser,
         list(prepared.token_ids),
     )
     # The parser's markers stay in the text even where the tokenizer holds them as special
     # tokens (Qwen's <tool_call>), which skip_special_tokens would drop.
     kept = tokenizer.special_ids_of(parser.markers) if parser is not None else frozenset()
-    deltas = generate(state, ctx.id, [prepared], req.sampling, kept)
+    with lora_scope(lora):  # the engine requests are made here
+        deltas = generate(state, ctx.id, [prepared], req.sampling, kept)
     if req.stream:
         return await stream_sse(
             request, deltas, ctx.chunks, ctx.usage_chunk if req.options.include_usage else None

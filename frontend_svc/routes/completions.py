@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.engine_types import TokenLogprob
+from frontend_svc.engine_types import TokenLogprob, lora_scope
 from frontend_svc.generation import (
     ChoiceResult,
     UsageCounter,
@@ -45,7 +45,7 @@ async def create_completion(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_completion, info.max_logprobs)
-    state.check_model(req.model)
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
     require_task(info, req.model, "generate", "completions (/v1/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))
     sampling = req.sampling
@@ -98,9 +98,10 @@ async def create_completion(request: Request) -> Response:
         prompt_ids,
         echo_texts,
         random_id("cmpl"),
-        state.served_model_name or req.model,
+        lora or state.served_model_name or req.model,
     )
-    deltas = generate(state, ctx.id, prepared, sampling)
+    with lora_scope(lora):  # the engine requests are made here
+        deltas = generate(state, ctx.id, prepared, sampling)
     if req.echo_only:
         deltas = _without_output(deltas)
     if req.stream:

@@ -24,6 +24,7 @@ from frontend_svc.engine_types import (
     EnginePoolingParams,
     ModelInfo,
     PoolingTask,
+    lora_scope,
 )
 from frontend_svc.errors import ApiError, invalid_parameter
 from frontend_svc.gateway_state import GatewayState
@@ -51,13 +52,14 @@ async def create_embedding(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_embedding)
-    state.check_model(req.model)
-    model = state.served_model_name or info.served_model_name
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
+    model = lora or state.served_model_name or info.served_model_name
     require_task(info, model, "embed", "embeddings (/v1/embeddings)")
     params = embed_params(info, model, req.dimensions, req.resolved_normalize)
     prompts = await encode_inputs(request, tokenizer, info, req)
     request_id = random_id("embd")
-    outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    with lora_scope(lora):
+        outputs = await run_pooling(request, request_id, prompts, params, req.priority)
     if outputs is None:
         return Response(status_code=499)
     data = [
@@ -72,8 +74,8 @@ async def create_pooling(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_pooling)
-    state.check_model(req.model)
-    model = state.served_model_name or info.served_model_name
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
+    model = lora or state.served_model_name or info.served_model_name
     served = [t for t in ("embed", "classify", "score") if t in info.supported_tasks]
     task = req.task or (served[0] if served else "embed")
     require_task(info, model, task, f"the '{task}' task", param="task" if req.task else "model")
@@ -89,7 +91,8 @@ async def create_pooling(request: Request) -> Response:
         params = EnginePoolingParams(PoolingTask(task), activation=req.resolved_activation)
     prompts = await encode_inputs(request, tokenizer, info, req)
     request_id = random_id("pool")
-    outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    with lora_scope(lora):
+        outputs = await run_pooling(request, request_id, prompts, params, req.priority)
     if outputs is None:
         return Response(status_code=499)
     data = [
@@ -105,13 +108,14 @@ async def create_classification(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
     req = await parse_body(request, parse_classification)
-    state.check_model(req.model)
-    model = state.served_model_name or info.served_model_name
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
+    model = lora or state.served_model_name or info.served_model_name
     require_task(info, model, "classify", "classification (/classify)")
     params = EnginePoolingParams(PoolingTask.CLASSIFY, activation=req.resolved_activation)
     prompts = await encode_inputs(request, tokenizer, info, req)
     request_id = random_id("classify")
-    outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    with lora_scope(lora):
+        outputs = await run_pooling(request, request_id, prompts, params, req.priority)
     if outputs is None:
         return Response(status_code=499)
     data = []

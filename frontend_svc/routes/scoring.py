@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine_types import EngineOutput, EnginePoolingParams, ModelInfo, PoolingTask
+from frontend_svc.engine_types import (
+    EngineOutput,
+    EnginePoolingParams,
+    ModelInfo,
+    PoolingTask,
+    lora_scope,
+)
 from frontend_svc.generation import random_id
 from frontend_svc.pooling_protocol import RerankRequest, ScoreRequest, parse_rerank, parse_score
 from frontend_svc.prompt_encoder import OFFLOAD_MIN_CHARS
@@ -40,11 +46,12 @@ async def create_score(request: Request) -> Response:
     state = gateway(request)
     _, info = state.require_engine()
     req = await parse_body(request, parse_score)
-    state.check_model(req.model)
-    model = state.served_model_name or info.served_model_name
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
+    model = lora or state.served_model_name or info.served_model_name
     left, right = req.sides
     request_id = random_id("score")
-    scored = await score_pairs(request, model, request_id, left, right, req, req.side_names)
+    with lora_scope(lora):
+        scored = await score_pairs(request, model, request_id, left, right, req, req.side_names)
     if scored is None:
         return Response(status_code=499)
     scores, outputs, prompts = scored
@@ -65,12 +72,13 @@ async def rerank(request: Request) -> Response:
     state = gateway(request)
     _, info = state.require_engine()
     req = await parse_body(request, parse_rerank)
-    state.check_model(req.model)
-    model = state.served_model_name or info.served_model_name
+    lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
+    model = lora or state.served_model_name or info.served_model_name
     documents = req.texts
     request_id = random_id("rerank")
     names = ("query", "documents")
-    scored = await score_pairs(request, model, request_id, [req.query], documents, req, names)
+    with lora_scope(lora):
+        scored = await score_pairs(request, model, request_id, [req.query], documents, req, names)
     if scored is None:
         return Response(status_code=499)
     scores, outputs, prompts = scored

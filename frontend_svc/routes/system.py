@@ -10,41 +10,54 @@ from starlette.responses import JSONResponse, Response
 
 from frontend_svc import __version__
 from frontend_svc.errors import engine_unavailable, model_not_found
+from frontend_svc.gateway_state import ADAPTER_REFRESH_S
 from frontend_svc.metrics import CONTENT_TYPE
 from frontend_svc.openapi import openapi_schema
+from frontend_svc.routes import adapters, utility
 from frontend_svc.routes.common import gateway
 
 _STARTED = int(time.time())
 
 
 def _model_cards(request: Request) -> list[dict[str, Any]]:
-    """The served models in OpenAI's model object shape (plus vLLM's root, parent and
-    max_model_len, and the tasks the model serves: "generate", "embed", "classify", "score");
-    503 when no engine is connected."""
+    """The served model, then each LoRA adapter the engines have loaded, in OpenAI's model
+    object shape (plus vLLM's root, parent and max_model_len, and the tasks the model serves:
+    "generate", "embed", "classify", "score"). An adapter's ``parent`` is the served model and
+    its ``root`` the adapter's directory, as in vLLM. 503 when no engine is connected."""
     state = gateway(request)
     _, info = state.require_engine()
-    return [
-        {
-            "id": state.served_model_name or info.served_model_name,
+    base = state.served_model_name or info.served_model_name
+
+    def card(model_id: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {
+            "id": model_id,
             "object": "model",
             "created": _STARTED,
             "owned_by": "tandem",
-            "root": info.model_source or info.served_model_name,
-            "parent": None,
+            "root": root,
+            "parent": parent,
             "max_model_len": info.max_model_len,
             "supported_tasks": list(info.supported_tasks),
             "permission": [],
         }
-    ]
+
+    cards = [card(base, info.model_source or info.served_model_name, None)]
+    cards += [card(a.name, a.path, base) for a in state.engines.adapters().values()]
+    return cards
 
 
 async def list_models(request: Request) -> Response:
+    # Adapters loaded through another gateway or worker show up within ADAPTER_REFRESH_S.
+    await gateway(request).engines.refresh_adapters(max_age_s=ADAPTER_REFRESH_S, wait=False)
     return JSONResponse({"object": "list", "data": _model_cards(request)})
 
 
 async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{model}: one model object (the SDK's ``models.retrieve``), or 404."""
     model = request.path_params["model"]
+    state = gateway(request)
+    state.require_engine()
+    await state.resolve_model(model)  # 404, after looking on the engines again
     for card in _model_cards(request):
         if card["id"] == model:
             return JSONResponse(card)
@@ -82,4 +95,12 @@ async def metrics(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    return JSONResponse(openapi_schema(__version__, gateway(request).config.api_key is not None))
+    """The document, without the routes this server's flags leave out (they are 404 here)."""
+    config = gateway(request).config
+    doc = openapi_schema(__version__, config.api_key is not None)
+    disabled = (() if config.enable_runtime_lora_updating else adapters.PATHS) + (
+        () if config.enable_utility_endpoints else utility.PATHS
+    )
+    for path in disabled:
+        doc["paths"].pop(path, None)
+    return JSONResponse(doc)

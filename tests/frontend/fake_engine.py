@@ -10,6 +10,16 @@ Given ``supported_tasks`` with pooling tasks it also answers pooling requests, a
 order (so a test can tell which input a result belongs to), normalized / cut / passed through
 softmax or sigmoid as the contract says.
 
+LoRA adapters and the utility calls are served as the contract says, in memory: AddLora checks
+only that the directory holds an adapter_config.json (INVALID_ARGUMENT naming it otherwise), a
+request naming an unknown
+adapter fails with ERROR_CODE_NOT_FOUND, an adapter shifts the script (so a test can tell which
+one ran) and has its own prefix-cache entries. Sleep waits for the running requests, then health
+says NOT_SERVING and new requests fail UNAVAILABLE until WakeUp; StartProfile needs
+``profile_dir``. With ``utility_rpcs=False`` all ten rpcs answer UNIMPLEMENTED (an older engine).
+Every such call's name is appended to ``calls``; ``call_errors[name] = (status, message)`` makes
+the next call of that rpc fail so.
+
 It runs on its own event loop in a background thread, so synchronous tests (openai client,
 httpx) can drive the gateway against it; ``stop()`` kills every stream like a crashed engine.
 """
@@ -127,6 +137,9 @@ class FakeEngine:
         matryoshka_dimensions: Sequence[int] = (),
         labels: Sequence[str] = (),
         pooling_steps: int = 1,
+        utility_rpcs: bool = True,
+        lora_modules: dict[str, str] | None = None,
+        profile_dir: str | None = None,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.script = script_ids
@@ -148,12 +161,25 @@ class FakeEngine:
         self.matryoshka_dimensions = list(matryoshka_dimensions)
         self.labels = list(labels)
         self.pooling_steps = pooling_steps  # tests raise it to keep pooling requests in flight
+        # LoRA adapters and utility calls (see the module docstring).
+        self.utility_rpcs = utility_rpcs
+        self.loras: dict[str, pb.LoraInfo] = {
+            name: pb.LoraInfo(lora_name=name, lora_path=path, rank=4)
+            for name, path in (lora_modules or {}).items()
+        }
+        self.call_errors: dict[str, tuple[grpc.StatusCode, str]] = {}  # rpc -> its next failure
+        self.calls: list[str] = []  # every adapter or utility rpc received, by name
+        self.sleeping = False
+        self.sleep_levels: list[int] = []
+        self.profile_dir = profile_dir
+        self.profiling = False
+        self.traces: list[str] = []
         self.peak_in_flight = 0  # the most requests held at once
         self.requests: dict[str, _Running] = {}
         self.added: list[str] = []
         self.add_messages: dict[str, pb.AddRequest] = {}  # every admitted request, as sent
         self.aborted: list[str] = []
-        self._seen_prompts: list[tuple[int, ...]] = []
+        self._seen_prompts: list[tuple[str | int, ...]] = []
         self._queries = 0
         self._hits = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -237,6 +263,10 @@ class FakeEngine:
             error = (pb.ERROR_CODE_DUPLICATE_REQUEST_ID, f"request id {rid} is in use")
         elif len(self.requests) >= self.max_requests:
             error = (pb.ERROR_CODE_RESOURCE_EXHAUSTED, "the waiting queue is full")
+        elif self.sleeping:
+            error = (pb.ERROR_CODE_UNAVAILABLE, "the engine is sleeping")
+        elif add.lora_name and add.lora_name not in self.loras:
+            error = (pb.ERROR_CODE_NOT_FOUND, f"unknown LoRA adapter '{add.lora_name}'")
         pooling = add.pooling_params if add.HasField("pooling_params") else None
         if error is None and pooling is not None:
             error = self._pooling_error(pooling, len(prompt))
@@ -251,10 +281,12 @@ class FakeEngine:
             sink.put_nowait(pb.EngineCoreOutputs(errors=[err], load=self._load()))
             return None
         seed = p.seed if p.HasField("seed") else 0
+        seed += sum(map(ord, add.lora_name))  # an adapter changes the "model"'s output
         cached = 0
-        if tuple(prompt) in self._seen_prompts:
+        key = (add.lora_name, *prompt)  # adapters never share prefix-cache entries
+        if key in self._seen_prompts:
             cached = (len(prompt) - 1) // self.block_size * self.block_size
-        self._seen_prompts.append(tuple(prompt))
+        self._seen_prompts.append(key)
         self._queries += len(prompt)
         self._hits += cached
         self.requests[rid] = _Running(
@@ -530,3 +562,120 @@ class _Servicer(pb_grpc.EngineServicer):
             data = path.read_bytes()
             for i in range(0, max(len(data), 1), _CHUNK_BYTES):
                 yield pb.GetTokenizerResponse(file_name=path.name, data=data[i : i + _CHUNK_BYTES])
+
+    # -- LoRA adapters and utility calls ------------------------------------------------------
+
+    async def _enter(self, rpc: str, context: grpc.aio.ServicerContext) -> FakeEngine:
+        engine = self.engine
+        engine.calls.append(rpc)
+        if not engine.utility_rpcs:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        error = engine.call_errors.pop(rpc, None)
+        if error is not None:
+            await context.abort(*error)
+        return engine
+
+    async def _known(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        if name not in self.engine.loras:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown LoRA adapter '{name}'")
+
+    async def AddLora(  # noqa: N802
+        self, request: pb.AddLoraRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AddLoraResponse:
+        e = await self._enter("AddLora", context)
+        name, path = request.lora_name, request.lora_path
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name must not be empty")
+        if name in e.loras:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"lora_name '{name}' is in use")
+        config = Path(path) / "adapter_config.json"
+        if not config.is_file():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{config}: no such file (not a PEFT adapter)"
+            )
+        info = pb.LoraInfo(lora_name=name, lora_path=path, rank=4, pinned=request.pin)
+        e.loras[name] = info
+        return pb.AddLoraResponse(lora=info)
+
+    async def RemoveLora(  # noqa: N802
+        self, request: pb.RemoveLoraRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RemoveLoraResponse:
+        e = await self._enter("RemoveLora", context)
+        await self._known(request.lora_name, context)
+        del e.loras[request.lora_name]
+        return pb.RemoveLoraResponse()
+
+    async def ListLoras(  # noqa: N802
+        self, request: pb.ListLorasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLorasResponse:
+        e = await self._enter("ListLoras", context)
+        return pb.ListLorasResponse(loras=list(e.loras.values()))
+
+    async def PinLora(  # noqa: N802
+        self, request: pb.PinLoraRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinLoraResponse:
+        e = await self._enter("PinLora", context)
+        await self._known(request.lora_name, context)
+        e.loras[request.lora_name].pinned = True
+        return pb.PinLoraResponse()
+
+    async def ResetPrefixCache(  # noqa: N802
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        e = await self._enter("ResetPrefixCache", context)
+        e._seen_prompts = [key for key in e._seen_prompts if key[1:] in _running_prompts(e)]
+        return pb.ResetPrefixCacheResponse(reset=not e.requests)
+
+    async def Sleep(  # noqa: N802
+        self, request: pb.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SleepResponse:
+        e = await self._enter("Sleep", context)
+        while e.requests:  # the running requests finish first
+            await asyncio.sleep(e.step_s)
+        e.sleep_levels.append(request.level or 1)
+        e.sleeping = True
+        if e.health is not None:
+            e.health.serving = False
+        return pb.SleepResponse()
+
+    async def WakeUp(  # noqa: N802
+        self, request: pb.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WakeUpResponse:
+        e = await self._enter("WakeUp", context)
+        e.sleeping = False
+        if e.health is not None:
+            e.health.serving = True
+        return pb.WakeUpResponse()
+
+    async def IsSleeping(  # noqa: N802
+        self, request: pb.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.IsSleepingResponse:
+        e = await self._enter("IsSleeping", context)
+        return pb.IsSleepingResponse(is_sleeping=e.sleeping)
+
+    async def StartProfile(  # noqa: N802
+        self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartProfileResponse:
+        e = await self._enter("StartProfile", context)
+        if e.profile_dir is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "no profile directory (--profile-dir)"
+            )
+        if e.profiling:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a profile is running")
+        e.profiling = True
+        return pb.StartProfileResponse()
+
+    async def StopProfile(  # noqa: N802
+        self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StopProfileResponse:
+        e = await self._enter("StopProfile", context)
+        if not e.profiling:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no profile is running")
+        e.profiling = False
+        e.traces.append(f"{e.profile_dir}/trace-{len(e.traces)}.json")
+        return pb.StopProfileResponse(trace_path=e.traces[-1])
+
+
+def _running_prompts(engine: FakeEngine) -> set[tuple[int, ...]]:
+    return {tuple(r.prompt) for r in engine.requests.values()}

@@ -69,6 +69,8 @@ def test_workers_must_be_a_positive_integer(
 
 def test_workers_get_the_config_the_supervisor_parsed() -> None:
     config = FrontendConfig(
+        enable_runtime_lora_updating=True,
+        enable_utility_endpoints=True,
         engine_address="dns:///engine:1",
         host="0.0.0.0",
         port=9,
