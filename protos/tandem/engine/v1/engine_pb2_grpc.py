@@ -225,7 +225,8 @@ class EngineServicer:
         """Utility calls (vLLM's engine-core utilities).
 
         Drops every prefix-cache entry not in use by a running request. reset is false when some
-        blocks were still in use (their entries stay), as vLLM's reset_prefix_cache.
+        blocks were still in use (their entries stay; the free blocks' entries are dropped all the
+        same, where vLLM's reset_prefix_cache drops nothing then).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,8 +235,10 @@ class EngineServicer:
     def Sleep(self, request, context):
         """Puts the engine to sleep: level 1 frees the KV cache and moves the weights to host memory;
         level 2 frees the KV cache and drops the weights (reloaded from the checkpoint on wake up).
-        Waits for the running requests to finish first; while asleep, health is NOT_SERVING and new
-        requests are refused with ERROR_CODE_UNAVAILABLE. Sleeping again is a no-op.
+        From the moment it is called, new requests are refused with ERROR_CODE_UNAVAILABLE (gRPC
+        UNAVAILABLE) and health is NOT_SERVING; the requests already taken in (waiting or running)
+        finish, then the engine sleeps and the call returns. Sleeping again is a no-op; a level
+        above 2 is INVALID_ARGUMENT; a WakeUp before the sleep began ends this call with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,7 +253,7 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def IsSleeping(self, request, context):
-        """Whether the engine sleeps.
+        """Whether the engine sleeps (false while a Sleep still waits for requests to finish).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -265,8 +268,8 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopProfile(self, request, context):
-        """Stops it and writes the trace into the profile directory. FAILED_PRECONDITION when no
-        profile runs.
+        """Stops it and writes the trace into the profile directory (a Chrome trace JSON file,
+        written on the engine loop: steps wait meanwhile). FAILED_PRECONDITION when no profile runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
