@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
-from tests.chaos.clients import wait_idle
+from tests.chaos.clients import engine_load
 from tests.integration.grpc_util import StreamSession, add_request, generate, tokens_of
 from tests.integration.harness import MODEL, Engine, Gateway
 
@@ -117,12 +117,27 @@ def tiny_queue(cache_dir: Path, log_dir: Path) -> Iterator[tuple[Engine, Gateway
         engine.stop()
 
 
+def _wait_idle(address: str, timeout: float = 20.0) -> None:
+    """Until the one-slot engine has nothing running or waiting (the load probe is a request
+    itself, refused while the queue is still full)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            load = engine_load(address)
+            if not (load.num_running_requests or load.num_waiting_requests):
+                return
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                raise
+        assert time.monotonic() < deadline, "the engine never became idle"
+        time.sleep(0.1)
+
+
 def _fill(stub: pb_grpc.EngineStub, address: str) -> StreamSession:
     """One request running, one waiting: the one-slot engine's queue is full. Waits first until
     the engine is idle (the previous test's requests are aborted when its stream is cancelled,
     which the engine sees a moment later)."""
-    load = wait_idle(address)
-    assert not (load.num_running_requests or load.num_waiting_requests), load
+    _wait_idle(address)
     session = StreamSession(stub)
     session.add(add_request("running", PROMPT, 1900))
     messages = iter(session)
