@@ -5,11 +5,8 @@ Nothing here knows about gRPC or HTTP; the routes and the output processing work
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import enum
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -60,31 +57,6 @@ class EngineCallError(Exception):
         self.address = address
         self.code = code
         self.message = message
-
-
-# The LoRA adapter of the API call being served: engine requests made while it is set run with
-# it (``lora_scope``). The routes know the adapter, but the code between them and the request
-# objects (``generation``) does not take one; a context variable follows the call into the
-# tasks it starts, where a module global would leak between concurrent calls.
-_LORA_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_lora_name", default="")
-
-
-@contextlib.contextmanager
-def lora_scope(lora_name: str | None) -> Iterator[None]:
-    """Every :class:`EngineRequest` made inside (and in the tasks started inside) names
-    ``lora_name``; None or "": the base model. Scopes do not nest."""
-    if _LORA_NAME.get():
-        raise RuntimeError("lora_scope does not nest")
-    token = _LORA_NAME.set(lora_name or "")
-    try:
-        yield
-    finally:
-        _LORA_NAME.reset(token)
-
-
-def current_lora_name() -> str:
-    """The adapter of the enclosing :func:`lora_scope` ("" outside one: the base model)."""
-    return _LORA_NAME.get()
 
 
 @dataclass(frozen=True)
@@ -159,8 +131,7 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = 0.0  # Unix seconds; 0: the engine stamps it
     pooling_params: EnginePoolingParams | None = None
-    # The LoRA adapter to run with ("": the base model); by default the enclosing lora_scope's.
-    lora_name: str = field(default_factory=current_lora_name)
+    lora_name: str = ""  # the LoRA adapter to run with ("": the base model)
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ def generate(
     prompts: Sequence[PreparedPrompt],
     options: SamplingOptions,
     kept_special_ids: Collection[int] = (),
+    lora_name: str = "",
 ) -> AsyncIterator[SequenceDelta]:
     """Start ``options.n`` sequences per prompt; choice index = prompt index * n + i.
 
@@ -138,6 +139,7 @@ def generate(
                 prompt_token_ids=prompt.token_ids,
                 sampling_params=options.engine_params(prompt.max_tokens, i),
                 arrival_time=time.time(),
+                lora_name=lora_name,
             )
             processor = OutputProcessor(
                 tokenizer,
@@ -183,6 +185,7 @@ async def pool(
     prompts: Sequence[Sequence[int]],
     params: EnginePoolingParams,
     priority: int = 0,
+    lora_name: str = "",
 ) -> list[EngineOutput]:
     """Pool every prompt (one engine request each, ids ``{request_id}-{i}``) and return their
     final outputs in prompt order, each with its ``pooled`` result.
@@ -194,7 +197,9 @@ async def pool(
 
     def request(i: int) -> EngineRequest:
         ids = tuple(prompts[i])
-        return EngineRequest(f"{request_id}-{i}", ids, _NO_SAMPLING, priority, arrival, params)
+        return EngineRequest(
+            f"{request_id}-{i}", ids, _NO_SAMPLING, priority, arrival, params, lora_name
+        )
 
     if len(prompts) == 1:  # nearly every call: no task
         return [await _pool_one(engines, metrics, request(0))]

@@ -16,7 +16,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.engine_types import lora_scope
 from frontend_svc.generation import (
     ChoiceResult,
     UsageCounter,
@@ -82,8 +81,7 @@ async def create_chat_completion(request: Request) -> Response:
     # The parser's markers stay in the text even where the tokenizer holds them as special
     # tokens (Qwen's <tool_call>), which skip_special_tokens would drop.
     kept = tokenizer.special_ids_of(parser.markers) if parser is not None else frozenset()
-    with lora_scope(lora):  # the engine requests are made here
-        deltas = generate(state, ctx.id, [prepared], req.sampling, kept)
+    deltas = generate(state, ctx.id, [prepared], req.sampling, kept, lora_name=lora or "")
     if req.stream:
         return await stream_sse(
             request, deltas, ctx.chunks, ctx.usage_chunk if req.options.include_usage else None

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.engine_types import TokenLogprob, lora_scope
+from frontend_svc.engine_types import TokenLogprob
 from frontend_svc.generation import (
     ChoiceResult,
     UsageCounter,
@@ -100,8 +100,7 @@ async def create_completion(request: Request) -> Response:
         random_id("cmpl"),
         lora or state.served_model_name or req.model,
     )
-    with lora_scope(lora):  # the engine requests are made here
-        deltas = generate(state, ctx.id, prepared, sampling)
+    deltas = generate(state, ctx.id, prepared, sampling, lora_name=lora or "")
     if req.echo_only:
         deltas = _without_output(deltas)
     if req.stream:

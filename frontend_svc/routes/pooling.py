@@ -24,7 +24,6 @@ from frontend_svc.engine_types import (
     EnginePoolingParams,
     ModelInfo,
     PoolingTask,
-    lora_scope,
 )
 from frontend_svc.errors import ApiError, invalid_parameter
 from frontend_svc.gateway_state import GatewayState
@@ -58,8 +57,7 @@ async def create_embedding(request: Request) -> Response:
     params = embed_params(info, model, req.dimensions, req.resolved_normalize)
     prompts = await encode_inputs(request, tokenizer, info, req)
     request_id = random_id("embd")
-    with lora_scope(lora):
-        outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    outputs = await run_pooling(request, request_id, prompts, params, req.priority, lora)
     if outputs is None:
         return Response(status_code=499)
     data = [
@@ -91,8 +89,7 @@ async def create_pooling(request: Request) -> Response:
         params = EnginePoolingParams(PoolingTask(task), activation=req.resolved_activation)
     prompts = await encode_inputs(request, tokenizer, info, req)
     request_id = random_id("pool")
-    with lora_scope(lora):
-        outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    outputs = await run_pooling(request, request_id, prompts, params, req.priority, lora)
     if outputs is None:
         return Response(status_code=499)
     data = [
@@ -114,8 +111,7 @@ async def create_classification(request: Request) -> Response:
     params = EnginePoolingParams(PoolingTask.CLASSIFY, activation=req.resolved_activation)
     prompts = await encode_inputs(request, tokenizer, info, req)
     request_id = random_id("classify")
-    with lora_scope(lora):
-        outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    outputs = await run_pooling(request, request_id, prompts, params, req.priority, lora)
     if outputs is None:
         return Response(status_code=499)
     data = []
@@ -270,12 +266,15 @@ async def run_pooling(
     prompts: Sequence[Sequence[int]],
     params: EnginePoolingParams,
     priority: int,
+    lora: str | None = None,
 ) -> list[EngineOutput] | None:
     """The engine's outputs, in prompt order; None when the client went away (every engine
     request is aborted then)."""
     state: GatewayState = gateway(request)
     try:
-        return await until_disconnected(request, pool(state, request_id, prompts, params, priority))
+        return await until_disconnected(
+            request, pool(state, request_id, prompts, params, priority, lora or "")
+        )
     except ClientDisconnected:
         return None
 

@@ -20,7 +20,6 @@ from frontend_svc.engine_types import (
     EnginePoolingParams,
     ModelInfo,
     PoolingTask,
-    lora_scope,
 )
 from frontend_svc.generation import random_id
 from frontend_svc.pooling_protocol import RerankRequest, ScoreRequest, parse_rerank, parse_score
@@ -50,8 +49,7 @@ async def create_score(request: Request) -> Response:
     model = lora or state.served_model_name or info.served_model_name
     left, right = req.sides
     request_id = random_id("score")
-    with lora_scope(lora):
-        scored = await score_pairs(request, model, request_id, left, right, req, req.side_names)
+    scored = await score_pairs(request, model, lora, request_id, left, right, req, req.side_names)
     if scored is None:
         return Response(status_code=499)
     scores, outputs, prompts = scored
@@ -77,8 +75,7 @@ async def rerank(request: Request) -> Response:
     documents = req.texts
     request_id = random_id("rerank")
     names = ("query", "documents")
-    with lora_scope(lora):
-        scored = await score_pairs(request, model, request_id, [req.query], documents, req, names)
+    scored = await score_pairs(request, model, lora, request_id, [req.query], documents, req, names)
     if scored is None:
         return Response(status_code=499)
     scores, outputs, prompts = scored
@@ -101,6 +98,7 @@ async def rerank(request: Request) -> Response:
 async def score_pairs(
     request: Request,
     model: str,
+    lora: str | None,
     request_id: str,
     left: list[str],
     right: list[str],
@@ -112,9 +110,11 @@ async def score_pairs(
     tokenizer, info = gateway(request).require_engine()
     check_truncation(req.truncate_prompt_tokens, info)
     if "score" in info.supported_tasks:
-        return await _cross_encode(request, tokenizer, info, request_id, left, right, req, names)
+        return await _cross_encode(
+            request, tokenizer, info, request_id, left, right, req, names, lora
+        )
     if "embed" in info.supported_tasks:
-        return await _cosine(request, tokenizer, info, request_id, left, right, req, names)
+        return await _cosine(request, tokenizer, info, request_id, left, right, req, names, lora)
     require_task(info, model, "score", "scoring (neither 'score' nor 'embed')")
     raise AssertionError("require_task raised")
 
@@ -128,6 +128,7 @@ async def _cross_encode(
     right: list[str],
     req: ScoreRequest | RerankRequest,
     names: tuple[str, str],
+    lora: str | None,
 ) -> Scored | None:
     pairs = list(zip(left * len(right) if len(left) == 1 else left, right, strict=True))
     if sum(len(a) + len(b) for a, b in pairs) < OFFLOAD_MIN_CHARS:
@@ -138,7 +139,7 @@ async def _cross_encode(
     keep_last = special_suffix_len(tokenizer) if truncate is not None else 0
     prompts = [fit_prompt(ids, len(ids), info, truncate, keep_last, names[1]) for ids in encoded]
     params = EnginePoolingParams(PoolingTask.SCORE, activation=req.resolved_activation)
-    outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    outputs = await run_pooling(request, request_id, prompts, params, req.priority, lora)
     if outputs is None:
         return None
     return [(o.pooled or (0.0,))[0] for o in outputs], outputs, prompts
@@ -158,6 +159,7 @@ async def _cosine(
     right: list[str],
     req: ScoreRequest | RerankRequest,
     names: tuple[str, str],
+    lora: str | None,
 ) -> Scored | None:
     truncate = req.truncate_prompt_tokens
     prompts = await encode_texts_and_ids(
@@ -167,7 +169,7 @@ async def _cosine(
         request, tokenizer, info, right, right, True, truncate, names[1]
     )
     params = EnginePoolingParams(PoolingTask.EMBED)
-    outputs = await run_pooling(request, request_id, prompts, params, req.priority)
+    outputs = await run_pooling(request, request_id, prompts, params, req.priority, lora)
     if outputs is None:
         return None
     return cosine_scores(outputs[: len(left)], outputs[len(left) :]), outputs, prompts

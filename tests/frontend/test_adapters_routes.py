@@ -24,7 +24,6 @@ from frontend_svc.engine_types import (
     EngineErrorCode,
     EngineRequest,
     EngineSamplingParams,
-    lora_scope,
 )
 from frontend_svc.gateway_state import ADAPTER_REFRESH_S
 from frontend_svc.routing import Router
@@ -501,23 +500,9 @@ def test_prefix_affinity_keys_include_the_adapter() -> None:
     assert router.choose(prompt, {"a": 0, "b": 0}).affinity_tokens == 0
 
 
-def test_lora_scope_names_the_requests_made_inside() -> None:
-    def made() -> EngineRequest:
-        return EngineRequest("r", (1,), EngineSamplingParams())
-
-    assert made().lora_name == ""
-    with lora_scope("sql"):
-        assert made().lora_name == "sql"
-
-        async def in_a_task() -> str:
-            return made().lora_name
-
-        assert asyncio.run(in_a_task()) == "sql"
-        with pytest.raises(RuntimeError), lora_scope("other"):
-            pass
-    assert made().lora_name == ""
-    with lora_scope(None):
-        assert made().lora_name == ""
+def test_engine_requests_name_the_base_model_unless_given_an_adapter() -> None:
+    assert EngineRequest("r", (1,), EngineSamplingParams()).lora_name == ""
+    assert EngineRequest("r", (1,), EngineSamplingParams(), lora_name="sql").lora_name == "sql"
 
 
 def test_engine_client_calls_and_their_errors(engine: FakeEngine, lora_root: Path) -> None:
