@@ -166,7 +166,7 @@ def test_float32_bounds_in_the_schema_are_the_exact_doubles_accepted(
 
 
 NAMED = {"type": "function", "function": {"name": "get_time"}}
-# The rules of tools and tool_choice (frontend_svc.tools.parse_tool_options' before the models).
+# The rules of tools and tool_choice (those of the hand-written validator before the models).
 TOOL_ERRORS: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": {"a": 1}}, "tools", "'tools' must be a list."),
     ({"tools": ["get_weather"]}, "tools", "'tools[0]' must be an object."),

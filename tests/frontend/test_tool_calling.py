@@ -23,7 +23,6 @@ from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.protocol import parse_chat, parse_tokenize
 from frontend_svc.tokenizer import SpecialTokens, Tokenizer
 from frontend_svc.tool_parsers import get_tool_parser
-from frontend_svc.tools import parse_tool_options
 from tests.chat_templates import QWEN_TOOLS_TEMPLATE
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
@@ -339,14 +338,20 @@ def _chat_body(**fields: Any) -> dict[str, Any]:
 
 
 def test_required_and_named_choices_become_the_tool_schema_constraint() -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        body = _chat_body(tools=TOOLS, tool_choice=choice)
-        req = parse_chat(body, 5)
-        schema = parse_tool_options(body, auto_supported=False).json_schema()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, names in (("required", ["get_weather", "get_time"]), (named, None)):
+        req = parse_chat(_chat_body(tools=TOOLS, tool_choice=choice), 5)
+        schema = req.tools.json_schema()  # its own shape: tests/frontend/test_tools.py
         assert req.sampling.structured_output == StructuredOutput(
             "json_schema", orjson.dumps(schema).decode()
         )
         assert req.sampling.structured_output_param == "tool_choice"
+        assert schema is not None
+        if names is None:  # named: that function's parameters
+            assert schema == WEATHER["function"]["parameters"]
+        else:  # required: an array of calls to any of the tools
+            branches = schema["items"]["anyOf"]
+            assert [b["properties"]["name"]["enum"] for b in branches] == [[n] for n in names]
     for choice in ("none", "auto"):
         req = parse_chat(_chat_body(tools=TOOLS, tool_choice=choice), 5, True)
         assert req.sampling.structured_output is None and req.tools.choice == choice

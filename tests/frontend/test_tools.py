@@ -1,5 +1,7 @@
-"""The tool fields of a chat request: validation (400s naming the parameter), the schema that
-structured outputs enforce for required/named choices, and how such output becomes calls."""
+"""The tool fields of a chat request as ``parse_chat`` reads them into ``ToolOptions``: what the
+chat template gets, the choices, the 400s the request-model tests do not already cover, the
+schema that structured outputs enforce for required/named choices, and how such output becomes
+calls. (The other 400s of the tool fields: tests/frontend/test_request_models.py.)"""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ from typing import Any
 import pytest
 
 from frontend_svc.errors import ApiError
+from frontend_svc.protocol import parse_chat
 from frontend_svc.tool_parsers import (
     NamedFunctionParser,
     RequiredCallsParser,
     get_tool_parser,
 )
-from frontend_svc.tools import FunctionTool, ToolOptions, parse_tool_options
+from frontend_svc.tools import FunctionTool, ToolOptions
 
 pytestmark = pytest.mark.timeout(30)
 
+USER: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
 WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -38,13 +42,15 @@ WEATHER: dict[str, Any] = {
 TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}
 
 
-def parse(body: dict[str, Any], auto_supported: bool = True) -> ToolOptions:
-    return parse_tool_options(body, auto_supported=auto_supported)
+def parse(fields: dict[str, Any], auto_tools: bool = True) -> ToolOptions:
+    """The tool options of a chat request with ``fields`` (``auto_tools``: the server has a
+    tool-call parser)."""
+    return parse_chat({"model": "m", "messages": USER, **fields}, 5, auto_tools).tools
 
 
-def rejected(body: dict[str, Any], param: str, match: str, auto_supported: bool = True) -> None:
+def rejected(fields: dict[str, Any], param: str, match: str, auto_tools: bool = True) -> None:
     with pytest.raises(ApiError) as e:
-        parse(body, auto_supported)
+        parse(fields, auto_tools)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.type == "invalid_request_error"
     assert match in e.value.message, e.value.message
@@ -72,84 +78,35 @@ def test_defaults_without_tools() -> None:
 
 
 def test_choices() -> None:
-    assert parse({"tools": [WEATHER], "tool_choice": "none"}).choice == "none"
-    assert parse({"tools": [WEATHER], "tool_choice": "none"}).template_tools() == [WEATHER]
+    # Named choices, "tools": [] with "auto", parallel_tool_calls: test_request_models.
+    none = parse({"tools": [WEATHER], "tool_choice": "none"})
+    assert none.choice == "none" and none.template_tools() == [WEATHER]  # rendered all the same
     assert parse({"tools": [WEATHER], "tool_choice": "auto"}).choice == "auto"
     assert parse({"tools": [WEATHER], "tool_choice": "required"}).choice == "required"
-    named = parse(
-        {
-            "tools": [WEATHER, TIME],
-            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-        }
-    )
-    assert (named.choice, named.function_name) == ("function", "get_time")
-    assert parse({"tools": [], "tool_choice": "auto"}).choice == "none"
-    assert not parse({"tools": [WEATHER], "parallel_tool_calls": False}).parallel_tool_calls
 
 
+# Only what test_request_models.TOOL_ERRORS does not check case for case.
 @pytest.mark.parametrize(
-    ("body", "param", "match"),
+    ("fields", "param", "match"),
     [
-        ({"tools": {"a": 1}}, "tools", "must be a list"),
-        ({"tools": ["get_weather"]}, "tools", "'tools[0]' must be an object"),
-        ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools", "'tools[0].type'"),
-        ({"tools": [{"type": "function"}]}, "tools", "'tools[0].function' must be an object"),
-        ({"tools": [{"type": "function", "function": {}}]}, "tools", "tools[0].function.name"),
-        ({"tools": [{"function": {"name": ""}}]}, "tools", "1 to 64 characters"),
-        ({"tools": [{"function": {"name": "x" * 65}}]}, "tools", "1 to 64 characters"),
-        ({"tools": [{"function": {"name": "get weather"}}]}, "tools", "1 to 64 characters"),
-        ({"tools": [{"function": {"name": "météo"}}]}, "tools", "1 to 64 characters"),
         ({"tools": [{"function": {"name": "a.b"}}]}, "tools", "1 to 64 characters"),
-        ({"tools": [{"function": {"name": 7}}]}, "tools", "1 to 64 characters"),
-        ({"tools": [TIME, WEATHER, TIME]}, "tools", "two functions named 'get_time'"),
-        ({"tools": [{"function": {"name": "f", "description": 1}}]}, "tools", "description"),
-        ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools", "parameters"),
-        ({"tools": [{"function": {"name": "f", "strict": "yes"}}]}, "tools", "strict"),
-        ({"tools": [TIME], "tool_choice": "always"}, "tool_choice", "must be 'none'"),
-        ({"tools": [TIME], "tool_choice": 1}, "tool_choice", "must be 'none'"),
-        ({"tools": [TIME], "tool_choice": {"type": "function"}}, "tool_choice", "named"),
-        (
-            {"tools": [TIME], "tool_choice": {"type": "allowed_tools", "function": {"name": "x"}}},
-            "tool_choice",
-            "named",
-        ),
-        (
-            {"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "a b"}}},
-            "tool_choice",
-            "tool_choice.function.name",
-        ),
-        (
-            {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-            "tool_choice",
-            "needs 'tools'",
-        ),
-        (
-            {"tools": [], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-            "tool_choice",
-            "not in 'tools'",
-        ),
+        ({"tools": [TIME, WEATHER, TIME]}, "tools", "'tools' has two functions named 'get_time'."),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
-            "'nope', which is not in 'tools'",
+            "'tool_choice' names the function 'nope', which is not in 'tools'.",
         ),
-        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-        ({"tools": [], "tool_choice": "required"}, "tool_choice", "at least one tool"),
-        ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
-        ({"tools": [TIME], "parallel_tool_calls": "false"}, "parallel_tool_calls", "boolean"),
     ],
 )
 def test_invalid_fields_are_400s_naming_the_parameter(
-    body: dict[str, Any], param: str, match: str
+    fields: dict[str, Any], param: str, match: str
 ) -> None:
-    rejected(body, param, match)
+    rejected(fields, param, match)
 
 
-def test_auto_needs_a_parser_on_the_server() -> None:
-    rejected({"tools": [TIME]}, "tool_choice", "--tool-call-parser", auto_supported=False)
+def test_an_explicit_auto_needs_a_parser_on_the_server() -> None:
+    # The default "auto", and "required"/"none" without a parser: test_request_models.
     rejected({"tools": [TIME], "tool_choice": "auto"}, "tool_choice", "--tool-call-parser", False)
-    assert parse({"tools": [TIME], "tool_choice": "required"}, False).choice == "required"
-    assert parse({"tools": [TIME], "tool_choice": "none"}, False).choice == "none"
 
 
 def test_named_choice_enforces_that_functions_parameters() -> None:
@@ -157,9 +114,13 @@ def test_named_choice_enforces_that_functions_parameters() -> None:
     named = parse(
         {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     )
+    parameters = copy.deepcopy(WEATHER["function"]["parameters"])
     schema = named.json_schema()
-    assert schema == WEATHER["function"]["parameters"]
-    assert schema is not WEATHER["function"]["parameters"]
+    assert schema == parameters
+    assert schema is not None
+    schema["properties"].clear()  # a copy: the tool's (and the request's) stay as they were
+    assert named.tools[0].parameters == parameters == WEATHER["function"]["parameters"]
+    assert named.json_schema() == parameters
     no_params = parse(
         {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
     )
@@ -230,10 +191,7 @@ def test_required_schema_hoists_definitions_to_the_root() -> None:
 
     other = {"type": "string"}
     conflicting = [_tool_with_defs("a", {"Place": place}), _tool_with_defs("b", {"Place": other})]
-    options = parse({"tools": conflicting, "tool_choice": "required"})
-    with pytest.raises(ApiError) as e:
-        options.json_schema()
-    assert e.value.status == 400 and e.value.param == "tools" and "$defs/Place" in e.value.message
+    rejected({"tools": conflicting, "tool_choice": "required"}, "tools", "'$defs/Place'")
 
 
 def test_required_schema_accepts_what_the_parser_reads() -> None:
