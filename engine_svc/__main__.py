@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             version=VERSION,
             tls=tls,
             health_port=args.health_port,
+            freeze_gc_heap=True,
         )
     except ValueError as e:
         raise SystemExit(f"python -m engine_svc: error: {e}") from None

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.workers > 1:
         serve_workers(config)
     else:
-        uvicorn.run(build_app(config), **server_options(config))
+        uvicorn.run(build_app(config, freeze_gc_heap=True), **server_options(config))
 
 
 if __name__ == "__main__":

@@ -54,9 +54,10 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(config: FrontendConfig) -> Starlette:
-    """The gateway app; it connects to the engine in the background once started."""
-    state = GatewayState(config)
+def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette:
+    """The gateway app; it connects to the engine in the background once started.
+    ``freeze_gc_heap``: see ``GatewayState`` (what ``python -m frontend_svc`` asks for)."""
+    state = GatewayState(config, freeze_gc_heap)
     encoder = PromptEncoder(config.limits.tokenizer_threads)
 
     @contextlib.asynccontextmanager

@@ -10,6 +10,7 @@ from frontend_svc.config import FrontendConfig
 from frontend_svc.engine_pool import EnginePool
 from frontend_svc.engine_types import ModelInfo, TokenizerFiles
 from frontend_svc.errors import engine_unavailable, model_not_found
+from frontend_svc.gc_heap import freeze_startup_heap
 from frontend_svc.metrics import Metrics
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
@@ -24,8 +25,11 @@ ADAPTER_REFRESH_S = 1.0
 class GatewayState:
     """Holds the engine connections and what was learned from the engines when they connected."""
 
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, freeze_gc_heap: bool = False) -> None:
+        """``freeze_gc_heap``: freeze the heap once the first tokenizer is built
+        (``frontend_svc.gc_heap``), as a server process wants; not in a test's process."""
         self.config = config
+        self._freeze_gc_heap = freeze_gc_heap
         self.metrics = Metrics(config.served_model_name or "")
         self.tokenizer: Tokenizer | None = None
         self._tokenizer_source: object = None  # what self.tokenizer was built from
@@ -53,6 +57,9 @@ class GatewayState:
         else:
             tokenizer = await asyncio.to_thread(Tokenizer.from_files, files, info)
             self._tokenizer_source = source
+            if self._freeze_gc_heap:
+                self._freeze_gc_heap = False  # once: what is built later is not startup heap
+                freeze_startup_heap()
         await asyncio.to_thread(tokenizer.prepare_truncation, info.max_model_len)
         self.tokenizer, self.model_info = tokenizer, info
         self.metrics.model_name = self.config.served_model_name or info.served_model_name

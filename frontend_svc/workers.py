@@ -83,7 +83,7 @@ def worker_app() -> Starlette:
     _stop_with_supervisor()
     config = handed_down_config()
     configure_logging(config.log_level)  # a spawned process starts with none of the parent's
-    return build_app(config)
+    return build_app(config, freeze_gc_heap=True)
 
 
 def _stop_with_supervisor() -> None:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.engine_loop import EngineLoop
+from engine_svc.gc_heap import freeze_startup_heap
 from engine_svc.rpc import handlers, health, reflection
 from engine_svc.rpc.servicer import EngineServicer
 from engine_svc.rpc.tls import TlsConfig
@@ -58,6 +59,9 @@ class ServerConfig:
     tls: TlsConfig | None = None
     # An extra plaintext port serving only grpc.health.v1, for probes that cannot do TLS.
     health_port: int | None = None
+    # Freeze the heap once the engine is built (engine_svc.gc_heap): what a server process
+    # wants; off for servers started inside a test process, whose heap is the test run's.
+    freeze_gc_heap: bool = False
 
     def __post_init__(self) -> None:
         if self.stall_timeout_s <= 0:
@@ -113,6 +117,8 @@ async def _serve_built(
         await health_server.start()
         logger.info("plaintext health port %s:%d", config.host, health_port)
     await server.start()
+    if config.freeze_gc_heap:
+        freeze_startup_heap()
     await health_service.set_serving(True)
     watchdog = asyncio.create_task(_watch_progress(loop, health_service), name="engine-health")
     logger.info(

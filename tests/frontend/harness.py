@@ -30,6 +30,7 @@ class GatewayServer:
         engine_address: str,
         api_key: str | None = None,
         limits: LimitsConfig | None = None,
+        freeze_gc_heap: bool = False,
         **config: Any,
     ) -> None:
         """``config``: other ``FrontendConfig`` fields (tool_call_parser, ...)."""
@@ -45,7 +46,7 @@ class GatewayServer:
             limits=limits or LimitsConfig(),
             **config,
         )
-        self.app = build_app(self.config)
+        self.app = build_app(self.config, freeze_gc_heap)
         config = uvicorn.Config(
             self.app,
             host="127.0.0.1",
