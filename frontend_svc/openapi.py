@@ -37,11 +37,15 @@ ERROR_TEXT = {
     415: "Content-Type is not application/json",
     429: "Engine queue full (see Retry-After)",
     431: "Request headers over --max-header-bytes",
+    500: "The engine failed the call (its message says why)",
+    501: "An engine does not implement this call (an older engine)",
     503: "Engine unavailable (see Retry-After)",
 }
 # What any route with a JSON body can answer (401 is added where a key is required).
 JSON_BODY_ERRORS = (400, 404, 413, 415, 431, 503)
 GENERATION_ERRORS = (*JSON_BODY_ERRORS, 429)
+# What an adapter or utility call fanned out to the engines can answer besides its own 4xx.
+ENGINE_CALL_ERRORS = (500, 501, 503)
 OK: dict[str, Any] = {"description": "OK"}
 STREAMABLE_OK: dict[str, Any] = {
     "description": "A JSON response, or with stream=true an SSE stream of chunks ending in "
@@ -63,7 +67,8 @@ STREAMABLE_OK: dict[str, Any] = {
 @dataclass(frozen=True)
 class Operation:
     """One documented route. ``body``: the request model of a JSON body; ``public``: served
-    without the API key (probes, this document); ``path_params``: names in ``{...}``."""
+    without the API key (probes, this document); ``path_params``: names in ``{...}``;
+    ``query_params``: optional query parameters, each with its JSON schema."""
 
     path: str
     method: str
@@ -73,6 +78,7 @@ class Operation:
     ok: dict[str, Any] | None = None
     public: bool = False
     path_params: tuple[str, ...] = ()
+    query_params: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -121,7 +127,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "post",
         "Load a LoRA adapter on every engine",
         LoadLoraAdapterBody,
-        (400, 413, 415, 431, 503),
+        (400, 413, 415, 431, *ENGINE_CALL_ERRORS),
         ok={"description": "Loaded", "content": {"text/plain": {"schema": {"type": "string"}}}},
     ),
     Operation(
@@ -129,7 +135,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "post",
         "Unload a LoRA adapter from every engine",
         UnloadLoraAdapterBody,
-        (400, 404, 413, 415, 431, 503),
+        (400, 404, 413, 415, 431, *ENGINE_CALL_ERRORS),
         ok={"description": "Unloaded", "content": {"text/plain": {"schema": {"type": "string"}}}},
     ),
     # With --enable-utility-endpoints only (vLLM's dev-mode routes); on every engine.
@@ -137,13 +143,32 @@ OPERATIONS: tuple[Operation, ...] = (
         "/reset_prefix_cache",
         "post",
         "Reset the engines' prefix caches ({success})",
-        errors=(503,),
+        errors=ENGINE_CALL_ERRORS,
     ),
-    Operation("/sleep", "post", "Put the engines to sleep (?level=1|2)", errors=(400, 503)),
-    Operation("/wake_up", "post", "Wake the engines up", errors=(400, 503)),
-    Operation("/is_sleeping", "get", "Whether every engine sleeps ({is_sleeping})", errors=(503,)),
-    Operation("/start_profile", "post", "Start the engines' profilers", errors=(400, 503)),
-    Operation("/stop_profile", "post", "Stop the profilers ({trace_paths})", errors=(400, 503)),
+    Operation(
+        "/sleep",
+        "post",
+        "Put the engines to sleep (level 1: KV cache freed, weights to host memory; "
+        "2: weights dropped, read again on wake)",
+        errors=(400, *ENGINE_CALL_ERRORS),
+        query_params=(("level", {"type": "string", "enum": ["1", "2"], "default": "1"}),),
+    ),
+    Operation("/wake_up", "post", "Wake the engines up", errors=(400, *ENGINE_CALL_ERRORS)),
+    Operation(
+        "/is_sleeping",
+        "get",
+        "Whether every engine sleeps ({is_sleeping})",
+        errors=ENGINE_CALL_ERRORS,
+    ),
+    Operation(
+        "/start_profile", "post", "Start the engines' profilers", errors=(400, *ENGINE_CALL_ERRORS)
+    ),
+    Operation(
+        "/stop_profile",
+        "post",
+        "Stop the profilers ({trace_paths})",
+        errors=(400, *ENGINE_CALL_ERRORS),
+    ),
     Operation("/health", "get", "Engine connected", errors=(503,), public=True),
     Operation("/live", "get", "Process alive", public=True),
     Operation("/metrics", "get", "Prometheus metrics", public=True),
@@ -163,11 +188,12 @@ def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
             "summary": op.summary,
             "responses": {"200": op.ok or OK, **{str(c): _error(c) for c in codes}},
         }
-        if op.path_params:
-            spec["parameters"] = [
-                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                for name in op.path_params
-            ]
+        parameters = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in op.path_params
+        ] + [{"name": name, "in": "query", "schema": schema} for name, schema in op.query_params]
+        if parameters:
+            spec["parameters"] = parameters
         if op.body is not None:
             spec["requestBody"] = {"required": True, **_json(bodies[op.body])}
         if api_key and op.public:

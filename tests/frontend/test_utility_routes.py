@@ -207,7 +207,11 @@ def test_with_the_flag_off_the_routes_are_404(engine: FakeEngine) -> None:
 def test_the_document_lists_the_routes_when_enabled(gateway: GatewayServer) -> None:
     doc = httpx.get(f"{gateway.url}/openapi.json", timeout=10).json()
     for method, path in ROUTES:
-        assert "401" in doc["paths"][path][method.lower()]["responses"], path
+        responses = doc["paths"][path][method.lower()]["responses"]
+        # an engine without the rpc (501, tested below), one that fails it (500), none (503)
+        assert {"401", "500", "501", "503"} <= set(responses), (path, sorted(responses))
+    (level,) = doc["paths"]["/sleep"]["post"]["parameters"]
+    assert (level["name"], level["in"], level["schema"]["enum"]) == ("level", "query", ["1", "2"])
 
 
 def test_an_engine_without_the_rpcs_is_501(tokenizer_dir: Path, hf_tokenizer: Tokenizer) -> None:
