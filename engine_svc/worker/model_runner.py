@@ -138,13 +138,20 @@ class ModelRunner:
 
     def sleep(self, level: int) -> None:
         """Free the KV cache and take the weights off the device (``sleep_mode``). The caller
-        makes sure no request is in the persistent batch. A no-op when already asleep."""
+        makes sure no request is in the persistent batch. A no-op when already asleep. When it
+        fails, the runner is left awake: weights put back, a new (zeroed) KV cache."""
         check_sleep_level(level)
         if self._asleep is not None:
             return
         self.kv_caches = []  # the only references: the storage goes now
         extra = [] if self.lora is None else self.lora.weights.tensors()
-        self._asleep = put_to_sleep(level, self.model, extra, self.device)
+        try:
+            self._asleep = put_to_sleep(
+                level, self.model, extra, self.device, self.config.model.model
+            )
+        except BaseException:
+            self.kv_caches = self._allocate_kv_caches()
+            raise
         logger.info("asleep (level %d): KV cache freed, weights %s", level, _WHERE[level])
 
     def wake_up(self) -> None:
@@ -152,9 +159,10 @@ class ModelRunner:
         A no-op when awake."""
         if self._asleep is None:
             return
+        # Asleep until both are done: a wake up that fails (no device memory) can be retried.
         self._asleep.wake_up(self.model, self.config.model.model)
-        self._asleep = None
         self.kv_caches = self._allocate_kv_caches()
+        self._asleep = None
         logger.info(
             "awake: weights on %s, KV cache of %d blocks", self.device, self.layout.num_blocks
         )

@@ -51,7 +51,9 @@ class SleepingWeights:
 
     def wake_up(self, model: nn.Module, checkpoint: str | Path) -> None:
         """Give every emptied tensor its storage back on the device; at level 2, load the
-        parameters from ``checkpoint`` again (``load_weights`` checks every one is provided)."""
+        parameters from ``checkpoint`` again (``load_weights`` checks every one is provided).
+        One that fails part way (no device memory) can be called again: nothing is forgotten
+        until every tensor is back."""
         reload = False
         for s in self.stashed:
             if s.host is None:
@@ -68,12 +70,31 @@ class SleepingWeights:
 
 
 def put_to_sleep(
-    level: int, model: nn.Module, extra: list[torch.Tensor], device: torch.device
+    level: int,
+    model: nn.Module,
+    extra: list[torch.Tensor],
+    device: torch.device,
+    checkpoint: str | Path,
 ) -> SleepingWeights:
     """Take the model's tensors (and ``extra`` ones: the LoRA slots) off ``device`` for sleep
-    ``level``; the result puts them back."""
+    ``level``; the result puts them back. A failure part way (no pinned host memory for the
+    copies) puts back what was taken (at level 2, from ``checkpoint``) before it is raised: the
+    model is whole again, awake."""
     check_sleep_level(level)
     asleep = SleepingWeights(level, device)
+    try:
+        _take(asleep, model, extra)
+    except BaseException:
+        asleep.wake_up(model, checkpoint)
+        raise
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    return asleep
+
+
+def _take(asleep: SleepingWeights, model: nn.Module, extra: list[torch.Tensor]) -> None:
+    level, device = asleep.level, asleep.device
     params = _distinct(list(model.parameters()))
     kept = _distinct([*model.buffers(), *extra])
     for t in params:
@@ -81,15 +102,12 @@ def put_to_sleep(
             asleep.stashed.append(_Stashed(t, t.shape, None))
             t.data = torch.empty(0, dtype=t.dtype, device=device)
     if device.type == "cpu":
-        return asleep  # level 1 keeps the weights where they are: in host memory already
+        return  # level 1 keeps the weights where they are: in host memory already
     for t in (params if level == 1 else []) + kept:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         host.copy_(t)
         asleep.stashed.append(_Stashed(t, t.shape, host))
         t.data = torch.empty(0, dtype=t.dtype, device=device)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return asleep
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.entrypoints.llm import LLM
 from engine_svc.profiler import ProfilerError
+from engine_svc.worker import sleep_mode
 
 BS = 4
 PREFIX = [11, 12, 13, 14, 21, 22, 23, 24]  # two full blocks
@@ -141,6 +142,66 @@ def test_sleep_again_and_wake_up_when_awake_are_no_ops(llama: Path) -> None:
     assert llm.engine.runner.sleep_level == 1
     llm.wake_up()
     llm.wake_up()
+    assert _tokens(llm) == before
+
+
+def test_a_sleep_that_fails_part_way_leaves_the_engine_awake(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Level 2 empties the parameters one by one; the fifth emptying fails (as a pinned host
+    copy can on a GPU): the four taken are read back from the checkpoint, the KV cache comes
+    back, and the engine serves the same tokens."""
+    llm = _llm(llama)
+    runner = llm.engine.runner
+    before = _tokens(llm)
+    weights = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    real_empty = torch.empty
+    calls = 0
+
+    def failing_empty(*args: object, **kw: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise RuntimeError("out of memory (injected)")
+        return real_empty(*args, **kw)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(sleep_mode.torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.sleep(2)
+    monkeypatch.undo()
+    assert not llm.is_sleeping() and runner.sleep_level == 0
+    assert runner.kv_cache_nbytes() == 64 * runner.layout.bytes_per_block
+    after = runner.model.state_dict()
+    for name, w in weights.items():
+        assert torch.equal(after[name], w), name
+    assert _tokens(llm) == before
+    llm.sleep(2)  # and it can still go to sleep, and wake up
+    llm.wake_up()
+    assert _tokens(llm) == before
+
+
+def test_a_wake_up_that_fails_can_be_tried_again(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No memory for the KV cache on wake up: the engine stays asleep (refusing work), and the
+    next wake up brings it back whole."""
+    llm = _llm(llama)
+    runner = llm.engine.runner
+    before = _tokens(llm)
+    llm.sleep(2)
+
+    def no_memory() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(runner, "_allocate_kv_caches", no_memory)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.wake_up()
+    monkeypatch.undo()
+    assert llm.is_sleeping()
+    with pytest.raises(EngineAsleepError):
+        llm.generate(PROMPTS, GREEDY)
+    llm.wake_up()
+    assert not llm.is_sleeping()
     assert _tokens(llm) == before
 
 
