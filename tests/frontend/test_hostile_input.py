@@ -153,21 +153,29 @@ print(json.dumps(polls))
 
 def test_live_answers_fast_while_a_huge_prompt_is_tokenized(gateway: GatewayServer) -> None:
     prompt = SCRIPT * (2_500_000 // len(SCRIPT))  # ~2.6 MB of text, ~1.2M tokens
-    poller = subprocess.Popen(
-        [sys.executable, "-c", LIVE_POLLER, gateway.url],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert poller.stdout is not None and poller.stdout.readline().strip() == "ready"
-    start = time.time()
-    r = post(gateway, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt})
-    end = time.time()
-    out, _ = poller.communicate("", timeout=30)
-    during = [latency for t, latency in json.loads(out) if start <= t <= end]
-    assert len(during) >= 10, during  # the prompt really took a while to tokenize
-    assert max(during) < 0.1, sorted(during)[-5:]
-    assert_error(r, 400, "prompt", "context_length_exceeded")
+    worst: list[float] = []
+    # Tokenizing on the event loop stalls /live every time; one slow poll alone is the shared
+    # 2-core machine descheduling the gateway (0.19 s once with another test run beside it), so
+    # a second try is allowed.
+    for _ in range(2):
+        poller = subprocess.Popen(
+            [sys.executable, "-c", LIVE_POLLER, gateway.url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert poller.stdout is not None and poller.stdout.readline().strip() == "ready"
+        start = time.time()
+        r = post(gateway, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt})
+        end = time.time()
+        out, _ = poller.communicate("", timeout=30)
+        assert_error(r, 400, "prompt", "context_length_exceeded")
+        during = [latency for t, latency in json.loads(out) if start <= t <= end]
+        assert len(during) >= 10, during  # the prompt really took a while to tokenize
+        worst.append(max(during))
+        if worst[-1] < 0.1:
+            return
+    raise AssertionError(f"/live took {worst} s at worst while the prompt was tokenized")
 
 
 # --- 3. content type, stop strings, headers ---
