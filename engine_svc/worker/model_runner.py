@@ -34,6 +34,7 @@ from engine_svc.models.loader import (
     load_model,
     read_hf_config,
 )
+from engine_svc.native_memory import trim_heap
 from engine_svc.structured_output.bitmask import GrammarBitmask
 from engine_svc.worker.device import resolve_device, resolve_dtype
 from engine_svc.worker.input_batch import InputBatch
@@ -152,6 +153,7 @@ class ModelRunner:
         except BaseException:
             self.kv_caches = self._allocate_kv_caches()
             raise
+        trim_heap()  # the KV cache's host memory back to the system, wherever it was allocated
         logger.info("asleep (level %d): KV cache freed, weights %s", level, _WHERE[level])
 
     def wake_up(self) -> None:
