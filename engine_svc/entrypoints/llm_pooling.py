@@ -3,8 +3,12 @@
     llm.embed(["a", "b"])                      -> [EmbeddingRequestOutput] (.outputs.embedding)
     llm.classify(["a"])                        -> [ClassificationRequestOutput] (.outputs.probs)
     llm.score("query", ["doc 1", "doc 2"])     -> [ScoringRequestOutput] (.outputs.score)
+    llm.embed(["a", "b"], lora_request=[LoRARequest("sql", 1, "/adapters/sql"), None])
 
 Prompts are text (tokenized with the model's tokenizer) or ``{"prompt_token_ids": [...]}``.
+``lora_request`` works as in ``generate``: one ``LoRARequest`` for every prompt or one per prompt
+(``embed``, ``classify``; None: the base model), one for the whole call in ``score``; an adapter
+is loaded from its ``lora_path`` the first time its name is used (``LLM(..., enable_lora=True)``).
 ``score`` pairs 1:1, 1:N or N:N. A cross-encoder (a model serving "score": a one-label sequence
 classifier) reads each pair as one prompt, tokenized as a pair (``tokenizer(text_1, text_2)``);
 an embedding model scores the cosine similarity of the two embeddings (as vLLM does).
@@ -22,6 +26,7 @@ import numpy.typing as npt
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.lora.request import LoRARequest
 
 PromptType = str | dict[str, Any]
 _O = TypeVar("_O")
@@ -82,6 +87,11 @@ class PoolingMixin:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         raise NotImplementedError  # LLM's
 
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[str | None]:
+        raise NotImplementedError  # LLM's
+
     def embed(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -90,11 +100,14 @@ class PoolingMixin:
         dimensions: int | None = None,
         normalize: bool | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order (``dimensions``: Matryoshka cut;
-        ``normalize``: L2, default True; or ``pooling_params`` for all or per prompt)."""
+        ``normalize``: L2, default True; or ``pooling_params`` for all or per prompt).
+        ``lora_request``: one adapter for all prompts or one per prompt (None: the base
+        model), as in ``generate``."""
         default = PoolingParams(PoolingTask.EMBED, dimensions=dimensions, normalize=normalize)
-        pooled = self._pool(prompts, pooling_params, default, use_tqdm)
+        pooled = self._pool(prompts, pooling_params, default, use_tqdm, lora_request)
         return [_out(p, EmbeddingOutput(_floats(p))) for p in pooled]
 
     def classify(
@@ -104,11 +117,14 @@ class PoolingMixin:
         *,
         activation: bool | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Label probabilities per prompt (softmax; sigmoid with one label; raw logits with
-        ``activation=False``), in the order of the model's labels."""
+        ``activation=False``), in the order of the model's labels. ``lora_request``: one
+        adapter for all prompts or one per prompt (None: the base model); an adapter changes
+        the decoder layers, the classifier head stays the base model's."""
         default = PoolingParams(PoolingTask.CLASSIFY, activation=activation)
-        pooled = self._pool(prompts, pooling_params, default, use_tqdm)
+        pooled = self._pool(prompts, pooling_params, default, use_tqdm, lora_request)
         return [_out(p, ClassificationOutput(_floats(p))) for p in pooled]
 
     def score(
@@ -118,9 +134,16 @@ class PoolingMixin:
         *,
         activation: bool | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (text_1, text_2) pair: 1:1, 1:N (one text_1 against every text_2)
-        or N:N (pairwise). Cross-encoder or embedding cosine, see the module docstring."""
+        or N:N (pairwise). Cross-encoder or embedding cosine, see the module docstring.
+        ``lora_request``: one adapter for the whole call (every pair, both sides), or None."""
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                "score takes one lora_request for the whole call (a LoRARequest or None), "
+                f"not {type(lora_request).__name__}"
+            )
         first, second = _as_list(text_1), _as_list(text_2)
         if not first or not second:
             raise ValueError("score needs at least one text_1 and one text_2")
@@ -132,7 +155,7 @@ class PoolingMixin:
         tasks = self.engine.info.tasks
         if tasks.serves(PoolingTask.SCORE):
             pairs_1 = first * len(second) if len(first) == 1 else first
-            return self._cross_encode(pairs_1, second, activation, use_tqdm)
+            return self._cross_encode(pairs_1, second, activation, use_tqdm, lora_request)
         if not tasks.serves(PoolingTask.EMBED):
             raise ValueError(
                 "score needs a cross-encoder (task score) or an embedding model (task embed); "
@@ -140,7 +163,7 @@ class PoolingMixin:
             )
         if activation is not None:
             raise ValueError("activation applies to cross-encoders; this is an embedding model")
-        embedded = self.embed([*first, *second], use_tqdm=use_tqdm)
+        embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request)
         left, right = embedded[: len(first)], embedded[len(first) :]
         if len(left) == 1:
             left = left * len(right)
@@ -166,6 +189,7 @@ class PoolingMixin:
         second: list[PromptType],
         activation: bool | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | None,
     ) -> list[ScoringRequestOutput]:
         tokenizer = self.tokenizer
         if tokenizer is None:
@@ -177,7 +201,7 @@ class PoolingMixin:
             for a, b in zip(first, second, strict=True)
         ]
         default = PoolingParams(PoolingTask.SCORE, activation=activation)
-        pooled = self._pool(prompts, None, default, use_tqdm)
+        pooled = self._pool(prompts, None, default, use_tqdm, lora_request)
         return [_out(p, ScoringOutput(float(_floats(p)[0]))) for p in pooled]
 
     def _pool(
@@ -186,8 +210,10 @@ class PoolingMixin:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         default: PoolingParams,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[_Pooled]:
-        """Run one pooling request per prompt to the end; results in input order."""
+        """Run one pooling request per prompt (with its adapter, if any) to the end; results
+        in input order."""
         items = _as_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [_with_task(pooling_params or default, default.task)] * len(items)
@@ -195,14 +221,17 @@ class PoolingMixin:
             params = [_with_task(p, default.task) for p in pooling_params]
             if len(params) != len(items):
                 raise ValueError(f"got {len(params)} pooling_params for {len(items)} prompts")
+        lora_names = self._lora_names(lora_request, len(items))
         pooled: dict[str, _Pooled] = {}
         unused = SamplingParams(max_tokens=1)
         try:
-            for prompt, p in zip(items, params, strict=True):
+            for prompt, p, lora_name in zip(items, params, lora_names, strict=True):
                 _, token_ids = self._tokenize(prompt)
                 rid = str(next(self._ids))
                 pooled[rid] = _Pooled(rid, token_ids)
-                self.engine.add_request(rid, token_ids, unused, pooling_params=p)
+                self.engine.add_request(
+                    rid, token_ids, unused, pooling_params=p, lora_name=lora_name
+                )
             self._run_pooling(pooled, use_tqdm)
         except BaseException:
             self.engine.abort_requests(list(pooled))

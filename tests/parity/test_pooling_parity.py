@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -26,18 +25,12 @@ from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.sampling_params import StructuredOutputParams
 from engine_svc.core.scheduler import SchedulerConfig, SchedulerOutput
+from tests.parity.pooling_reference import TOL
+from tests.parity.pooling_reference import pool_states as _pool
+from tests.parity.pooling_reference import random_prompts as _prompts
+from tests.parity.pooling_reference import token_prompts as _ids
 
 LENGTHS = [1, 2, 15, 16, 17, 40, 75]
-TOL = dict(rtol=1e-4, atol=2e-5)
-
-
-def _prompts(lengths: list[int], seed: int = 0, vocab: int = 384) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
-
-
-def _ids(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
-    return [{"prompt_token_ids": p} for p in prompts]
 
 
 @cache
@@ -55,10 +48,6 @@ def _hf_states(model_dir: Path, prompt: tuple[int, ...]) -> torch.Tensor:
 @cache
 def _hf_model(model_dir: Path, cls: type) -> torch.nn.Module:
     return cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()  # type: ignore[no-any-return, attr-defined]
-
-
-def _pool(states: torch.Tensor, pooling: str) -> torch.Tensor:
-    return {"LAST": states[-1], "MEAN": states.mean(0), "CLS": states[0]}[pooling]
 
 
 def _want(model_dir: Path, prompt: list[int], pooling: str, normalize: bool = True) -> np.ndarray:
