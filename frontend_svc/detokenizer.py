@@ -12,6 +12,12 @@ neighbours (leading spaces, byte fallback) decode consistently::
 When the new text ends in U+FFFD the last token is an incomplete UTF-8 sequence (one multi-byte
 character split across byte-level tokens); it is held back until the next token completes it.
 
+With a Hugging Face fast tokenizer (``decode_stream``) the two decodes run in Rust, in
+``tokenizers``' DecodeStream (the same technique, one call per push, as vLLM's fast
+detokenizer); the window is still kept, for the end of the sequence (DecodeStream cannot emit an
+incomplete tail) and as the fallback when DecodeStream refuses a step (its "invalid prefix"
+error: a decoder whose text for earlier tokens changes with later ones).
+
 Only the window (ids from ``prefix_offset`` on) is kept. With ``skip_special_tokens`` a special
 token decodes to nothing and does not change its neighbours' text (the tokenizer drops it before
 decoding), so special ids never enter the window: a long run of them would otherwise grow it
@@ -22,7 +28,7 @@ lacks every dropped id, it is decoded with nothing skipped.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 # How many prompt tokens the first window reaches back (vLLM uses the same figure).
@@ -34,6 +40,9 @@ class Decoder(Protocol):
     def decode(
         self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True
     ) -> str: ...
+
+
+StreamStep = Callable[[int | list[int]], str | None]
 
 
 class IncrementalDetokenizer:
@@ -57,6 +66,10 @@ class IncrementalDetokenizer:
         self._window: list[int] = tail  # the ids from prefix_offset on
         self._read_offset = len(tail)  # into the window: decode(window[:read]) was emitted
         self._pieces: list[str] = []
+        make_stream = getattr(decoder, "decode_stream", None)
+        self._stream: StreamStep | None = (
+            make_stream(list(tail), self._skip) if make_stream is not None else None
+        )
 
     @property
     def text(self) -> str:
@@ -70,8 +83,21 @@ class IncrementalDetokenizer:
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (possibly empty)."""
-        self._window.extend(self._kept(new_token_ids))
-        return self._advance(flush=False)
+        ids = self._kept(new_token_ids)
+        if not ids:
+            return ""
+        self._window.extend(ids)
+        if self._stream is None:
+            return self._advance(flush=False)
+        try:
+            delta = self._stream(ids[0] if len(ids) == 1 else ids)
+        except Exception:  # DecodeStream's "invalid prefix": decode the window from now on
+            self._stream = None
+            return self._advance(flush=False)
+        if delta is None:
+            return ""  # an incomplete character, held back
+        self._emitted(delta)
+        return delta
 
     def flush(self) -> str:
         """Emit whatever is held back (at the end of the sequence), even if incomplete."""
@@ -92,8 +118,11 @@ class IncrementalDetokenizer:
         if not flush and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
             return ""  # nothing new yet, or an incomplete character at the end
         delta = full_text[len(prefix_text) :]
+        self._emitted(delta)
+        return delta
+
+    def _emitted(self, delta: str) -> None:
         # The new prefix_offset is the old read_offset; the new read_offset is the end.
         del self._window[: self._read_offset]
         self._read_offset = len(self._window)
         self._pieces.append(delta)
-        return delta

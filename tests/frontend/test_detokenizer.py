@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, trainers
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineOutput, TokenizerFiles
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.tokenizer import SpecialTokens, Tokenizer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,9 +110,12 @@ def test_output_processor_skips_special_ids_in_the_window(
     monkeypatch.setattr(tokenizer, "decode", decoder.decode)
     processor = OutputProcessor(tokenizer, [0], [], False, True, index=0, prompt_index=0)
     ids = _with_special_runs(tokenizer)
-    text = "".join(processor.process(EngineOutput("r", (t,), finish_reason=None)).text for t in ids)
+    text = ""
+    for t in ids:
+        text += processor.process(EngineOutput("r", (t,), finish_reason=None)).text
+        assert processor._detok.window_size <= 8  # special ids never enter it
     assert text == "Hello☕ world! Café"
-    assert decoder.longest <= 8
+    assert decoder.longest <= 8  # and the tail left for a flush is as small
 
 
 def test_kept_special_ids_keep_their_text(tokenizer: Tokenizer) -> None:
@@ -120,3 +127,107 @@ def test_kept_special_ids_keep_their_text(tokenizer: Tokenizer) -> None:
     text = "".join(detok.push([t]) for t in ids) + detok.flush()
     assert text == "Hello<|im_start|> world!"
     assert tokenizer.special_ids_of(["<|im_start|>", "Hello", "no such token"]) == {2}
+
+
+# -- the DecodeStream path (a Hugging Face fast tokenizer) against the Python window ----------
+
+
+class WindowOnly:
+    """The tokenizer without ``decode_stream``: the detokenizer decodes its window in Python."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.decode = tokenizer.decode
+
+
+def _sentencepiece_style() -> Tokenizer:
+    """A Llama-2-style tokenizer: "▁" for spaces, byte fallback (<0xNN> tokens for characters
+    the vocabulary lacks), a decoder that strips the first leading space."""
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    trained = HFTokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    trained.train_from_iterator(["Hello world! The quick brown fox, naïve café. " * 8], trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = trained.normalizer
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(tok, SpecialTokens("<s>", "</s>"), None)
+
+
+def _random_runs(tokenizer: Tokenizer, seed: int) -> list[list[int]]:
+    """Token ids of mixed text (multi-byte characters, specials), cut into random pushes."""
+    rng = random.Random(seed)
+    words = ["Hello", " world", "!", " naïve", " café", " ☕", "日本", " 🙂", " the", "\n", "  x"]
+    ids: list[int] = []
+    for _ in range(60):
+        ids += tokenizer.encode(rng.choice(words), add_special_tokens=False)
+        if rng.random() < 0.1:
+            ids.append(rng.choice(sorted(tokenizer.special_token_ids)))
+    runs, i = [], 0
+    while i < len(ids):
+        n = rng.choice([1, 1, 1, 2, 3, 5])
+        runs.append(ids[i : i + n])
+        i += n
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_stream_gives_the_window_text(
+    tokenizer: Tokenizer, kind: str, skip: bool, seed: int
+) -> None:
+    tok = tokenizer if kind == "byte-level" else _sentencepiece_style()
+    runs = _random_runs(tok, seed)
+    prompt = tok.encode("The answer is", add_special_tokens=True)
+    special = tok.special_token_ids
+    fast = IncrementalDetokenizer(tok, prompt, skip, special)
+    slow = IncrementalDetokenizer(WindowOnly(tok), prompt, skip, special)
+    assert fast._stream is not None and slow._stream is None
+    for run in runs:
+        assert fast.push(run) == slow.push(run)
+    assert fast.flush() == slow.flush()
+    # The text after the prompt's last tokens (a sentencepiece decoder strips the leading space
+    # of a text's first word, not of the output's).
+    context = prompt[-5:]
+    whole = [t for run in runs for t in run]
+    before = tok.decode(context, skip_special_tokens=skip)
+    assert fast.text == tok.decode(context + whole, skip_special_tokens=skip)[len(before) :]
+    assert fast._stream is not None  # no fallback was needed
+
+
+def test_decode_stream_leaves_the_incomplete_tail_to_flush(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("a☕", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [0])
+    assert detok.push(ids[:1]) == "a"
+    assert detok.push(ids[1:-1]) == ""  # two of the character's three bytes
+    assert detok.flush() == tokenizer.decode(ids[1:-1])  # as replacement characters
+    assert "\ufffd" in detok.text
+
+
+def test_a_refused_stream_step_falls_back_to_the_window(tokenizer: Tokenizer) -> None:
+    class Refusing(WindowOnly):
+        def decode_stream(self, prefix: list[int], skip: bool) -> object:
+            def step(ids: object) -> str | None:
+                raise RuntimeError("Invalid prefix encountered")
+
+            return step
+
+    ids = tokenizer.encode("Café ☕ 日本語.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(Refusing(tokenizer), [0])
+    text = "".join(detok.push([t]) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids)
+    assert detok._stream is None

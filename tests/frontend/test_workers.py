@@ -192,6 +192,9 @@ def test_any_worker_reports_what_one_process_would(
     assert expected[("vllm:generation_tokens_total", a)] == 5
     assert expected[("vllm:iteration_tokens_total_count", a)] == 3
     assert expected[("vllm:request_queue_time_seconds_count", (("model_name", "m"),))] == 3
+    itl = expected[("vllm:inter_token_latency_seconds_count", (("model_name", "m"),))]
+    assert itl > 0  # and again under vLLM's older name, added at exposition:
+    assert expected[("vllm:time_per_output_token_seconds_count", (("model_name", "m"),))] == itl
     assert expected[("vllm:num_requests_running", a)] == 5
     assert not [k for k in expected if ("engine", "gone:2") in k[1] and k[0] in GAUGES]
     assert [k for k in expected if k[0] == "vllm:cache_config_info"] == [
