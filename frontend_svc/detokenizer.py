@@ -83,14 +83,23 @@ class IncrementalDetokenizer:
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (possibly empty)."""
-        ids = self._kept(new_token_ids)
-        if not ids:
-            return ""
-        self._window.extend(ids)
+        window = self._window
+        if len(new_token_ids) == 1:  # nearly every push: one token
+            token = new_token_ids[0]
+            if token in self._dropped:
+                return ""
+            window.append(token)
+            step: int | list[int] = token
+        else:
+            ids = self._kept(new_token_ids)
+            if not ids:
+                return ""
+            window.extend(ids)
+            step = ids
         if self._stream is None:
             return self._advance(flush=False)
         try:
-            delta = self._stream(ids[0] if len(ids) == 1 else ids)
+            delta = self._stream(step)
         except Exception:  # DecodeStream's "invalid prefix": decode the window from now on
             self._stream = None
             return self._advance(flush=False)

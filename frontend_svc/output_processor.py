@@ -75,38 +75,46 @@ class OutputProcessor:
 
     def process(self, out: EngineOutput) -> SequenceDelta:
         ids = out.new_token_ids
-        stop_terminated = out.finish_reason is FinishReason.STOP
-        if stop_terminated and ids and not self._include_stop:
+        reason = out.finish_reason
+        finished = reason is not None
+        if reason is FinishReason.STOP and ids and not self._include_stop:
             ids = ids[:-1]  # the stop token's text never shows
-        # Tokens up to min_tokens (counted from the first output token) cannot end on a stop
-        # string; the rest of this output can.
-        num_unarmed = min(len(ids), max(0, self._min_tokens - self._num_output_tokens))
+        num_before = self._num_output_tokens
         self._num_output_tokens += len(out.new_token_ids)
-        emitted = ""
-        if num_unarmed:
-            unarmed = self._detok.push(ids[:num_unarmed])
-            emitted = self._stops.feed(unarmed, armed=False).text
-        text = self._detok.push(ids[num_unarmed:])
-        if out.finished:
-            text += self._detok.flush()
-        armed = self._num_output_tokens > self._min_tokens
-        match = self._stops.feed(text, final=out.finished, armed=armed)
-        finish: str | None = out.finish_reason.value if out.finish_reason else None
+        finish: str | None = reason.value if finished else None
         stop_reason: int | str | None = out.stop_reason
-        if match.stop is not None:
-            finish, stop_reason = "stop", match.stop
+        if not self._stops.active:  # nearly every request: the detokenized text is the delta
+            text = self._detok.push(ids) if ids else ""
+            if finished:
+                text += self._detok.flush()
+        else:
+            # Tokens up to min_tokens (counted from the first output token) cannot end on a
+            # stop string; the rest of this output can.
+            num_unarmed = min(len(ids), max(0, self._min_tokens - num_before))
+            emitted = ""
+            if num_unarmed:
+                unarmed = self._detok.push(ids[:num_unarmed])
+                emitted = self._stops.feed(unarmed, armed=False).text
+            text = self._detok.push(ids[num_unarmed:])
+            if finished:
+                text += self._detok.flush()
+            armed = self._num_output_tokens > self._min_tokens
+            match = self._stops.feed(text, final=finished, armed=armed)
+            text = emitted + match.text
+            if match.stop is not None:
+                finish, stop_reason = "stop", match.stop
         self.finished = finish is not None
         first, self._first = self._first, False
         return SequenceDelta(
-            index=self.index,
-            prompt_index=self.prompt_index,
-            text=emitted + match.text,
-            token_ids=out.new_token_ids,
-            logprobs=out.logprobs,
-            prompt_logprobs=out.prompt_logprobs if first else (),
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=out.num_prompt_tokens or self._num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-            first=first,
+            self.index,
+            self.prompt_index,
+            text,
+            out.new_token_ids,
+            out.logprobs,
+            out.prompt_logprobs if first else (),
+            finish,
+            stop_reason,
+            out.num_prompt_tokens or self._num_prompt_tokens,
+            out.num_cached_tokens,
+            first,
         )

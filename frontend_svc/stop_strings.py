@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StopMatch:
-    """Result of :meth:`StopStringMatcher.feed`."""
+    """Result of :meth:`StopStringMatcher.feed` (one per token: read-only by convention, not
+    frozen, which would cost 1 us to build)."""
 
     text: str  # new text safe to emit
     stop: str | None = None  # the stop string found; the sequence ends here
@@ -38,6 +39,11 @@ class StopStringMatcher:
         # feed costs what was fed plus at most the longest stop string, however long the output.
         self._pending = ""
         self._armed_from = 0  # into _pending: a stop string counts only if it ends after this
+
+    @property
+    def active(self) -> bool:
+        """There are stop strings to look for (feeding text through is a no-op otherwise)."""
+        return bool(self._stops)
 
     def feed(self, delta: str, final: bool = False, armed: bool = True) -> StopMatch:
         """Add ``delta``. With ``final`` nothing is held back (the sequence ended anyway).
