@@ -81,7 +81,7 @@ class OutputProcessor:
             ids = ids[:-1]  # the stop token's text never shows
         num_before = self._num_output_tokens
         self._num_output_tokens += len(out.new_token_ids)
-        finish: str | None = reason.value if finished else None
+        finish: str | None = reason.value if reason is not None else None
         stop_reason: int | str | None = out.stop_reason
         if not self._stops.active:  # nearly every request: the detokenized text is the delta
             text = self._detok.push(ids) if ids else ""
