@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 import orjson
 import uvicorn
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from relay_client import GENERATION, MESSAGES, OUTPUTS, RECEIVED, Progress
 from starlette.applications import Starlette
@@ -315,8 +316,83 @@ async def serve_engine(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ bare server
 
 
-def build_bare_app(step_s: float) -> Starlette:
-    """Starlette app: /v1/completions streams max_tokens one-character chunks; /health."""
+@dataclass
+class _BareRequest:
+    """One paced bare stream: the step of each token it has been given and not yet sent."""
+
+    remaining: int
+    steps: list[int] = field(default_factory=list)
+    waiter: asyncio.Future[None] | None = None
+
+
+class Ticker:
+    """The bare server's engine-like clock (``--step-ms``): every step gives one token to every
+    running request at once, as an engine step does, and keeps the step's time, so the paced
+    bare run measures (client receive - step time) exactly as the gateway's paced run does. What
+    it measures is the floor under the gateway's figure: the HTTP write of a step's events, one
+    after the other, and the client's read of them."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.running: list[_BareRequest] = []
+        self.step_times: list[float] = []
+        self.first_steps: dict[str, tuple[int, int]] = {}  # "<chunk id>-0" -> (0, first step)
+
+    def add(self, chunk_id: str, num_tokens: int) -> _BareRequest:
+        r = _BareRequest(num_tokens)
+        self.running.append(r)
+        self.first_steps[f"{chunk_id}-0"] = (0, len(self.step_times))
+        return r
+
+    async def run(self) -> None:
+        next_t = time.monotonic()
+        while True:
+            next_t += self.step_s
+            delay = next_t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                next_t = time.monotonic()  # behind: no catch-up burst
+            if self.running:
+                self.tick()
+
+    def tick(self) -> None:
+        step = len(self.step_times)
+        self.step_times.append(time.monotonic())
+        still: list[_BareRequest] = []
+        for r in self.running:
+            r.steps.append(step)
+            r.remaining -= 1
+            if r.remaining > 0:
+                still.append(r)
+            if r.waiter is not None and not r.waiter.done():
+                r.waiter.set_result(None)
+        self.running = still
+
+    async def tokens(self, r: _BareRequest) -> AsyncIterator[int]:
+        """The request's tokens as the steps give them (several, if it fell behind)."""
+        while True:
+            while not r.steps:
+                r.waiter = asyncio.get_running_loop().create_future()
+                await r.waiter
+            steps, r.steps = r.steps, []
+            for step in steps:
+                yield step
+            if r.remaining <= 0 and not r.steps:
+                return
+
+    def dump(self, path: Path) -> None:
+        record = {"step_times": [self.step_times], "first_steps": self.first_steps}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(orjson.dumps(record))
+        os.replace(tmp, path)
+
+
+def build_bare_app(step_s: float, ticker: Ticker | None = None) -> Starlette:
+    """Starlette app: /v1/completions streams max_tokens one-character chunks; /health.
+
+    With a ``ticker`` the tokens come from its steps; otherwise as fast as the loop turns, or
+    each stream paced on its own every ``step_s``."""
 
     async def completions(request: Request) -> Response:
         body = await request.json()
@@ -327,6 +403,19 @@ def build_bare_app(step_s: float) -> Starlette:
             "created": int(time.time()),
             "model": body.get("model") or MODEL_NAME,
         }
+
+        def event(i: int) -> str:
+            choice = {
+                "index": 0,
+                "text": "a",
+                "logprobs": None,
+                "finish_reason": "length" if i == n - 1 else None,
+                "stop_reason": None,
+            }
+            data = json.dumps(
+                {**head, "choices": [choice]}, ensure_ascii=False, separators=(",", ":")
+            )
+            return f"data: {data}\n\n"
 
         async def events() -> AsyncIterator[str]:
             next_t = time.monotonic()
@@ -340,20 +429,18 @@ def build_bare_app(step_s: float) -> Starlette:
                         next_t = time.monotonic()
                 else:
                     await asyncio.sleep(0)  # a step boundary, as the engine has
-                choice = {
-                    "index": 0,
-                    "text": "a",
-                    "logprobs": None,
-                    "finish_reason": "length" if i == n - 1 else None,
-                    "stop_reason": None,
-                }
-                data = json.dumps(
-                    {**head, "choices": [choice]}, ensure_ascii=False, separators=(",", ":")
-                )
-                yield f"data: {data}\n\n"
+                yield event(i)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async def ticked_events(t: Ticker) -> AsyncIterator[str]:
+            i = 0
+            async for _ in t.tokens(t.add(head["id"], n)):
+                yield event(i)
+                i += 1
+            yield "data: [DONE]\n\n"
+
+        source = events() if ticker is None else ticked_events(ticker)
+        return StreamingResponse(source, media_type="text/event-stream")
 
     async def health_route(request: Request) -> Response:
         return Response(status_code=200)
@@ -364,6 +451,23 @@ def build_bare_app(step_s: float) -> Starlette:
             Route("/health", health_route),
         ]
     )
+
+
+async def serve_bare(args: argparse.Namespace) -> None:
+    ticker = Ticker(args.step_ms / 1e3) if args.record else None
+    app = build_bare_app(args.step_ms / 1e3, ticker)
+    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+    tasks = []
+    if ticker is not None:
+        tasks.append(asyncio.create_task(ticker.run()))
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, ticker.dump, args.record)
+    try:
+        await server.serve()
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def main() -> None:
@@ -388,12 +492,18 @@ def main() -> None:
     b = sub.add_parser("bare", help="the bare Starlette SSE server")
     b.add_argument("--port", type=int, required=True)
     b.add_argument("--step-ms", type=float, default=0.0)
+    b.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help="engine-like steps every --step-ms (one token to every stream at once), their "
+        "times written here on SIGUSR1",
+    )
     args = ap.parse_args()
     if args.command == "engine":
         asyncio.run(serve_engine(args))
     else:
-        app = build_bare_app(args.step_ms / 1e3)
-        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+        uvloop.run(serve_bare(args))  # what uvicorn.run picks when uvloop is installed
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -45,8 +45,27 @@ class PreparedPrompt:
     max_tokens: int
 
 
+class _RandomBytes:
+    """``os.urandom`` read 4 KiB at a time: a request id costs one getrandom call per 256 ids,
+    not one each (~10 us apiece on a VM). Refilled in a forked child, which must not repeat
+    its parent's ids."""
+
+    def __init__(self) -> None:
+        self._buffer, self._at, self._pid = b"", 0, -1
+
+    def take(self, n: int) -> bytes:
+        if self._at + n > len(self._buffer) or self._pid != os.getpid():
+            self._buffer, self._at, self._pid = os.urandom(4096), 0, os.getpid()
+        start, self._at = self._at, self._at + n
+        return self._buffer[start : self._at]
+
+
+_random_bytes = _RandomBytes()
+
+
 def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """``<prefix>-`` and 32 random hex digits (vLLM's ids are a uuid4's hex: 122 random bits)."""
+    return f"{prefix}-{_random_bytes.take(16).hex()}"
 
 
 def prepare_prompt(

@@ -16,9 +16,10 @@ from frontend_svc.engine_types import EngineOutput, TokenLogprob
 
 
 class OutputCollector:
-    __slots__ = ("_pending", "_error", "_waiter", "prefilled")
+    __slots__ = ("_pending", "_error", "_waiter", "_loop", "prefilled")
 
     def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None  # the consumer's, at its first wait
         self._pending: list[EngineOutput] = []
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -43,7 +44,10 @@ class OutputCollector:
         while not self._pending:
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
             try:
                 await self._waiter
             finally:

@@ -53,51 +53,103 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
+class DisconnectWatcher:
+    """Notices the client going away (ASGI ``http.disconnect``) for one request.
+
+    One task reads ``receive`` for the whole request. :meth:`guard` awaits work in the calling
+    task; if the client disconnects meanwhile, the task is cancelled and the guard raises
+    :class:`ClientDisconnected` instead (the work sees the cancellation: an engine stream it was
+    reading is closed, which aborts the request). No task per awaited work and no
+    ``asyncio.wait``: a streamed request used to make four tasks and two waits for this (~50 us
+    of the gateway's ~600 us per request).
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._task = asyncio.ensure_future(_wait_disconnect(receive))
+
+    @property
+    def disconnected(self) -> bool:
+        """The client went away (or its receive channel failed: the same for a response)."""
+        return self._task.done() and not self._task.cancelled()
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        if self.disconnected:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started
+            raise ClientDisconnected()
+        task = asyncio.current_task()
+        assert task is not None
+        armed, fired = True, False
+
+        def on_disconnect(watcher: asyncio.Future[None]) -> None:
+            nonlocal fired
+            if armed and not watcher.cancelled():
+                fired = True
+                task.cancel()
+
+        self._task.add_done_callback(on_disconnect)
+        try:
+            result = await work
+        except BaseException as e:
+            if fired:
+                task.uncancel()
+                raise ClientDisconnected() from e
+            raise
+        finally:
+            armed = False  # a callback already scheduled must not cancel what comes next
+            self._task.remove_done_callback(on_disconnect)
+        if fired:  # the work ran to its end all the same
+            task.uncancel()
+        return result
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    watcher = DisconnectWatcher(request.receive)
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await watcher.guard(work)
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            raise ClientDisconnected()
-    return task.result()
+        watcher.close()
 
 
 class SSEResponse(Response):
-    """A ``text/event-stream`` response that closes its event source on client disconnect."""
+    """A ``text/event-stream`` response that closes its event source on client disconnect.
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    ``watcher``: the request's, when the route already watches for a disconnect (it is closed
+    when the response ends); otherwise the response makes its own."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        watcher: DisconnectWatcher | None = None,
+    ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self._events = events
         self._extra_headers = headers or {}
+        self._watcher = watcher
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = self._watcher or DisconnectWatcher(receive)
         headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ] + [(k.lower().encode(), v.encode()) for k, v in self._extra_headers.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
 
         async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             async with contextlib.aclosing(self._events):  # type: ignore[type-var]
                 async for event in self._events:
                     await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        pump_task = asyncio.create_task(pump())
-        watcher = asyncio.create_task(_wait_disconnect(receive))
         try:
-            await asyncio.wait({pump_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await watcher.guard(pump())
+        except (ClientDisconnected, OSError):
+            pass  # gone: the events were closed on the way out
         finally:
-            watcher.cancel()
-            if not pump_task.done():
-                pump_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await pump_task
+            watcher.close()

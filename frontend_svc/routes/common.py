@@ -25,9 +25,9 @@ from frontend_svc.protocol import ResponseOptions
 from frontend_svc.sse import (
     DONE_EVENT,
     ClientDisconnected,
+    DisconnectWatcher,
     SSEResponse,
     sse_event,
-    until_disconnected,
 )
 
 T = TypeVar("T")
@@ -131,12 +131,17 @@ async def stream_sse(
     Later errors become an error event; the stream always ends with ``data: [DONE]``.
     """
     state = gateway(request)
+    watcher = DisconnectWatcher(request.receive)  # until the response ends (SSEResponse closes it)
     try:
-        first = await until_disconnected(request, deltas.__anext__())
+        first = await watcher.guard(deltas.__anext__())
     except ClientDisconnected:
+        watcher.close()
         return Response(status_code=499)
     except StopAsyncIteration:
         first = None
+    except BaseException:
+        watcher.close()
+        raise
 
     async def events() -> AsyncIterator[bytes]:
         usage = UsageCounter()
@@ -159,7 +164,7 @@ async def stream_sse(
             yield sse_event(as_api_error(e, state.config.retry_after_s).body())
         yield DONE_EVENT
 
-    return SSEResponse(events())
+    return SSEResponse(events(), watcher=watcher)
 
 
 class _closing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from protos.tandem.engine.v1 import engine_pb2 as pb
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from relay_client import GENERATION, MESSAGES, OUTPUTS, RECEIVED, Progress  # type: ignore[import-not-found]  # noqa: E402, I001
-from relay_standins import StandInEngine, _ClientStream  # type: ignore[import-not-found]  # noqa: E402, I001
+from relay_standins import StandInEngine, Ticker, _ClientStream  # type: ignore[import-not-found]  # noqa: E402, I001
 
 
 def _add(request_id: str, max_tokens: int) -> pb.AddRequest:
@@ -45,6 +46,33 @@ def test_stand_in_steps_are_valid_engine_core_outputs(tmp_path: Path) -> None:
     ]
     assert engine.first_steps == {"a-0": (0, 0), "b-0": (0, 0), "c-0": (0, 1)}
     assert len(s.step_times) == 3
+
+
+def test_bare_ticker_gives_every_stream_a_token_each_step() -> None:
+    async def scenario() -> tuple[list[list[int]], dict[str, tuple[int, int]], int]:
+        ticker = Ticker(step_s=0.0)
+        a, b = ticker.add("cmpl-a", 3), ticker.add("cmpl-b", 1)
+        got: list[list[int]] = [[], []]
+
+        async def read(i: int, r: object) -> None:
+            async for step in ticker.tokens(r):  # type: ignore[arg-type]
+                got[i].append(step)
+
+        readers = [asyncio.create_task(read(0, a)), asyncio.create_task(read(1, b))]
+        await asyncio.sleep(0)
+        ticker.tick()
+        ticker.tick()  # before a's reader ran again: it takes both steps at once
+        await asyncio.sleep(0)
+        c = ticker.add("cmpl-c", 1)
+        readers.append(asyncio.create_task(read(1, c)))
+        ticker.tick()
+        await asyncio.wait_for(asyncio.gather(*readers), 5)
+        return got, ticker.first_steps, len(ticker.step_times)
+
+    got, first_steps, num_steps = asyncio.run(scenario())
+    assert got == [[0, 1, 2], [0, 2]]  # a: one token per step; b: step 0; c: step 2
+    assert first_steps == {"cmpl-a-0": (0, 0), "cmpl-b-0": (0, 0), "cmpl-c-0": (0, 2)}
+    assert num_steps == 3
 
 
 def test_lead_bound_follows_what_the_client_received(tmp_path: Path) -> None:
@@ -88,4 +116,10 @@ def test_tiny_run_measures_every_system(tmp_path: Path) -> None:
     latency = results["paced"]["added_latency"]
     assert latency["tokens"] > 0 and latency["requests_joined"] > 0
     assert 0 < latency["min_ms"] <= latency["p50_ms"] <= latency["p99_ms"]  # received after sent
+    floor = results["paced_bare"]["added_latency"]  # the bare app on the same steps
+    assert floor["tokens"] > 0 and floor["requests_joined"] > 0
+    assert 0 < floor["min_ms"] <= floor["p50_ms"] <= floor["p99_ms"]
+    over = results["paced"]["over_bare_ms"]
+    assert over["p99"] == latency["p99_ms"] - floor["p99_ms"]
+    assert "paced_p99_added_over_bare_ms_c4" in results["verdicts"]
     assert results["ratios"]["4"]["tok_s"] > 0
