@@ -520,9 +520,10 @@ def _output(out: pb.RequestOutput) -> EngineOutput:
     # finish are skipped rather than converted.
     finish = out.finish_reason
     timed = out.HasField("queued_time_s")  # only with the first token and in the last output
+    ids = out.new_token_ids
     return EngineOutput(
         out.request_id,
-        tuple(out.new_token_ids),
+        (ids[0],) if len(ids) == 1 else tuple(ids),  # one token: 0.2 us, where tuple() is 0.4
         _logprobs(out.logprobs) if out.logprobs else (),
         _logprobs(out.prompt_logprobs) if out.prompt_logprobs else (),
         _FINISH_REASONS.get(finish) if finish else None,
