@@ -77,6 +77,17 @@ def _len_field(number: int, payload: bytes) -> bytes:
 _TIMESTAMP_TAG = _varint(4 << 3 | 1)  # EngineCoreOutputs.timestamp, a double
 
 
+async def paced(next_t: float, step_s: float) -> float:
+    """Sleep until ``next_t + step_s`` and return that time; when it is already past, return now
+    (a server that fell behind does not catch up in a burst)."""
+    next_t += step_s
+    delay = next_t - time.monotonic()
+    if delay <= 0:
+        return time.monotonic()
+    await asyncio.sleep(delay)
+    return next_t
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -257,12 +268,7 @@ class StandInEngine:
                     next_t = time.monotonic()
                     continue
                 if self.step_s > 0:
-                    next_t += self.step_s
-                    delay = next_t - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    else:
-                        next_t = time.monotonic()  # behind: no catch-up burst
+                    next_t = await paced(next_t, self.step_s)
                 else:
                     await asyncio.sleep(0)  # let the reader take adds and aborts between steps
                     while self._ahead():
@@ -347,12 +353,7 @@ class Ticker:
     async def run(self) -> None:
         next_t = time.monotonic()
         while True:
-            next_t += self.step_s
-            delay = next_t - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            else:
-                next_t = time.monotonic()  # behind: no catch-up burst
+            next_t = await paced(next_t, self.step_s)
             if self.running:
                 self.tick()
 
@@ -421,12 +422,7 @@ def build_bare_app(step_s: float, ticker: Ticker | None = None) -> Starlette:
             next_t = time.monotonic()
             for i in range(n):
                 if step_s > 0:
-                    next_t += step_s
-                    delay = next_t - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    else:
-                        next_t = time.monotonic()
+                    next_t = await paced(next_t, step_s)
                 else:
                     await asyncio.sleep(0)  # a step boundary, as the engine has
                 yield event(i)
