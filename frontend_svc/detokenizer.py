@@ -67,9 +67,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(tail)  # into the window: decode(window[:read]) was emitted
         self._pieces: list[str] = []
         make_stream = getattr(decoder, "decode_stream", None)
-        self._stream: StreamStep | None = (
-            make_stream(list(tail), self._skip) if make_stream is not None else None
-        )
+        self._stream: StreamStep | None = None
+        # DecodeStream takes seed ids whose text ends in U+FFFD (a prompt cut inside a
+        # character, or a literal U+FFFD) as not yet emitted, and would put their text in the
+        # first delta: such a prompt keeps the Python window (one decode per sequence to know).
+        if make_stream is not None and not (
+            tail and decoder.decode(tail, skip_special_tokens=self._skip).endswith(_REPLACEMENT)
+        ):
+            self._stream = make_stream(list(tail), self._skip)
 
     @property
     def text(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -66,6 +66,7 @@ class DisconnectWatcher:
 
     def __init__(self, receive: Receive) -> None:
         self._task = asyncio.ensure_future(_wait_disconnect(receive))
+        self._task.add_done_callback(_retrieve)  # a failed receive counts as gone, unlogged
 
     @property
     def disconnected(self) -> bool:
@@ -83,7 +84,9 @@ class DisconnectWatcher:
 
         def on_disconnect(watcher: asyncio.Future[None]) -> None:
             nonlocal fired
-            if armed and not watcher.cancelled():
+            # Not when the task is being cancelled already (a shutdown): that cancellation
+            # stands, and a second one would cut short the cleanup it is running.
+            if armed and not watcher.cancelled() and not task.cancelling():
                 fired = True
                 task.cancel()
 
@@ -91,19 +94,24 @@ class DisconnectWatcher:
         try:
             result = await work
         except BaseException as e:
-            if fired:
-                task.uncancel()
+            # Ours, and no other cancellation came on top of it: the client is gone.
+            if fired and task.uncancel() == 0:
                 raise ClientDisconnected() from e
             raise
         finally:
             armed = False  # a callback already scheduled must not cancel what comes next
             self._task.remove_done_callback(on_disconnect)
-        if fired:  # the work ran to its end all the same
-            task.uncancel()
+        if fired and task.uncancel() > 0:  # the work ended all the same; another cancel stands
+            raise asyncio.CancelledError()
         return result
 
     def close(self) -> None:
         self._task.cancel()
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -119,18 +127,22 @@ class SSEResponse(Response):
     """A ``text/event-stream`` response that closes its event source on client disconnect.
 
     ``watcher``: the request's, when the route already watches for a disconnect (it is closed
-    when the response ends); otherwise the response makes its own."""
+    when the response ends); otherwise the response makes its own. ``closing``: awaited when the
+    response ends, however it ends: it closes what the events are made from even when no event
+    was read (a client gone before the first one)."""
 
     def __init__(
         self,
         events: AsyncIterator[bytes],
         headers: dict[str, str] | None = None,
         watcher: DisconnectWatcher | None = None,
+        closing: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self._events = events
         self._extra_headers = headers or {}
         self._watcher = watcher
+        self._closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = self._watcher or DisconnectWatcher(receive)
@@ -153,3 +165,5 @@ class SSEResponse(Response):
             pass  # gone: the events were closed on the way out
         finally:
             watcher.close()
+            if self._closing is not None:
+                await self._closing()

@@ -150,7 +150,8 @@ async def stream_sse(
                 async with _closing(deltas):
                     delta = first
                     while True:
-                        usage.add(delta)
+                        if usage_chunk is not None:  # counted only for the usage chunk
+                            usage.add(delta)
                         for chunk in to_chunks(delta):
                             yield sse_event(chunk)
                         try:
@@ -164,7 +165,10 @@ async def stream_sse(
             yield sse_event(as_api_error(e, state.config.retry_after_s).body())
         yield DONE_EVENT
 
-    return SSEResponse(events(), watcher=watcher)
+    # Closed by the response however it ends, also when the client left before the first event
+    # (the events never start then, so their own closing of the deltas never runs).
+    closing = getattr(deltas, "aclose", None)
+    return SSEResponse(events(), watcher=watcher, closing=closing)
 
 
 class _closing:

@@ -231,3 +231,18 @@ def test_a_refused_stream_step_falls_back_to_the_window(tokenizer: Tokenizer) ->
     text = "".join(detok.push([t]) for t in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     assert detok._stream is None
+
+
+@pytest.mark.parametrize("prompt_text", ["Fix: \ufffd", "ends inside ☕"])
+def test_a_prompt_ending_in_a_replacement_character_stays_out_of_the_output(
+    tokenizer: Tokenizer, prompt_text: str
+) -> None:
+    """DecodeStream would take such a prompt tail as not yet emitted and put it in the first
+    delta: the literal U+FFFD, or a prompt cut inside a character (token ids)."""
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    if prompt_text.endswith("☕"):
+        prompt = prompt[:-1]  # the last of the character's three byte tokens is missing
+    output = tokenizer.encode(" ok", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detok.push([t]) for t in output) + detok.flush()
+    assert text == " ok"

@@ -139,3 +139,72 @@ def test_sse_response_closes_its_events_when_the_client_leaves() -> None:
     asyncio.run(scenario())
     assert closed == [True]
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+
+
+@pytest.mark.parametrize("disconnect_first", [True, False])
+def test_a_shutdown_cancel_is_not_taken_for_a_disconnect(disconnect_first: bool) -> None:
+    """A client leaving and an outside cancellation (shutdown) both land while the work cleans
+    up: the guard raises CancelledError, not ClientDisconnected (which the routes swallow); with
+    the shutdown first, the disconnect adds no second cancel to cut the cleanup short."""
+    cleaned: list[bool] = []
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)  # e.g. aborting the engine request
+            cleaned.append(True)
+
+    async def scenario() -> None:
+        channel = Channel()
+        watcher = DisconnectWatcher(channel.receive)
+        guarded = asyncio.ensure_future(watcher.guard(work()))
+        loop = asyncio.get_running_loop()
+        first, second = (0.01, 0.03) if disconnect_first else (0.03, 0.01)
+        loop.call_later(first, channel.disconnect)
+        loop.call_later(second, guarded.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await guarded
+        watcher.close()
+
+    asyncio.run(scenario())
+    # (A shutdown cancel that comes second interrupts the cleanup itself, as any second cancel.)
+    assert cleaned == ([] if disconnect_first else [True])
+
+
+def test_sse_response_closes_its_source_when_the_client_left_before_it_began() -> None:
+    """The client went away just as the first delta came: no event is read, yet the source of
+    the events (the engine stream) is closed by the response."""
+    closed: list[bool] = []
+
+    async def deltas() -> AsyncIterator[int]:
+        try:
+            yield 1
+            yield 2
+        finally:
+            closed.append(True)
+
+    async def scenario() -> None:
+        channel = Channel()
+        watcher = DisconnectWatcher(channel.receive)
+        source = deltas()
+        assert await watcher.guard(source.__anext__()) == 1
+        channel.disconnect()
+        await asyncio.sleep(0.01)  # the watcher has seen it
+        assert watcher.disconnected
+
+        async def events() -> AsyncIterator[bytes]:
+            async for d in source:
+                yield b"data: %d\n\n" % d
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        response = SSEResponse(events(), watcher=watcher, closing=source.aclose)
+        await response({"type": "http"}, channel.receive, send)
+        assert sent == []  # nothing was written for a client that is gone
+        assert closed == [True]  # by the response, not later by the loop's finalizer
+
+    asyncio.run(scenario())
