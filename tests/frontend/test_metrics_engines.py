@@ -112,6 +112,32 @@ def test_gauges_follow_the_model_an_engine_serves() -> None:
     assert gauges == {("vllm:num_requests_running", "new"), ("vllm:cache_config_info", "new")}
 
 
+def test_unchanged_load_keeps_its_gauges_and_a_returning_engine_gets_them_again() -> None:
+    """Gauges are written only when a figure changes; an engine that left and came back (or a
+    new model on it) gets them all again, even with the same figures as before."""
+    m = Metrics("m")
+    load = LoadFigures(num_running=3, num_waiting=1, kv_cache_usage=0.5)
+    a = {"model_name": "m", "engine": "a:1"}
+    for _ in range(3):
+        m.observe_load("a:1", load)
+    assert value(m, "vllm:num_requests_running", **a) == 3
+    assert value(m, "vllm:kv_cache_usage_perc", **a) == 0.5
+    m.forget_engine("a:1")
+    assert value(m, "vllm:num_requests_running", **a) is None
+    m.observe_load("a:1", load)  # back, with the very same figures
+    assert value(m, "vllm:num_requests_running", **a) == 3
+    assert value(m, "vllm:num_requests_waiting", **a) == 1
+    assert value(m, "vllm:gpu_cache_usage_perc", **a) == 0.5
+    m.model_name = "other"
+    m.observe_load("a:1", load)
+    moved = {"model_name": "other", "engine": "a:1"}
+    assert value(m, "vllm:num_requests_running", **moved) == 3
+    assert value(m, "vllm:kv_cache_usage_perc", **moved) == 0.5
+    assert value(m, "vllm:num_requests_running", **a) is None
+    m.observe_load("a:1", LoadFigures(num_running=4, num_waiting=1, kv_cache_usage=0.5))
+    assert value(m, "vllm:num_requests_running", **moved) == 4
+
+
 def test_cache_config_info_carries_the_engine_cache_facts() -> None:
     m = Metrics("m")
     m.observe_engine_info("a:1", INFO)
