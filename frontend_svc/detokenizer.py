@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
         if make_stream is not None and not (
             tail and decoder.decode(tail, skip_special_tokens=self._skip).endswith(_REPLACEMENT)
         ):
-            self._stream = make_stream(list(tail), self._skip)
+            self._stream = make_stream(list(tail), self._skip)  # None: not with this version
 
     @property
     def text(self) -> str:

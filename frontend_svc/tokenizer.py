@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers import decoders as hf_decoders
 
 from frontend_svc.detokenizer import StreamStep
 from frontend_svc.engine_types import ModelInfo, TokenizerFiles
@@ -132,12 +132,22 @@ class Tokenizer:
     ) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def decode_stream(self, prefix_ids: list[int], skip_special_tokens: bool = True) -> StreamStep:
+    def decode_stream(
+        self, prefix_ids: list[int], skip_special_tokens: bool = True
+    ) -> StreamStep | None:
         """A step function over ``tokenizers``' DecodeStream, seeded with ``prefix_ids``: give it
         the next ids, it returns the text they complete, or None while a character is still
         incomplete. vLLM's incremental decode done in Rust, one call per step (~0.5 us a token,
-        where two Python-level ``decode`` calls cost ~1.5 us)."""
-        stream = DecodeStream(prefix_ids, skip_special_tokens=skip_special_tokens)
+        where two Python-level ``decode`` calls cost ~1.5 us). None with a ``tokenizers`` too
+        old for it (DecodeStream, or its seeded form, came in 0.21 / 0.22)."""
+        # Absent before tokenizers 0.21: the detokenizer then decodes its window in Python.
+        decode_stream = getattr(hf_decoders, "DecodeStream", None)
+        if decode_stream is None:
+            return None
+        try:
+            stream = decode_stream(ids=prefix_ids, skip_special_tokens=skip_special_tokens)
+        except TypeError:  # no ``ids``: a release before the seeded form
+            return None
         return partial(stream.step, self._tok)
 
     def decode_releasing_gil(

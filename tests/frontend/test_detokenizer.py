@@ -246,3 +246,26 @@ def test_a_prompt_ending_in_a_replacement_character_stays_out_of_the_output(
     detok = IncrementalDetokenizer(tokenizer, prompt)
     text = "".join(detok.push([t]) for t in output) + detok.flush()
     assert text == " ok"
+
+
+@pytest.mark.parametrize("release", ["without DecodeStream", "without its seeded form"])
+def test_an_older_tokenizers_release_decodes_the_window_in_python(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, release: str
+) -> None:
+    """``tokenizers>=0.20`` is allowed: DecodeStream came in 0.21, ``DecodeStream(ids=...)``
+    later. Without them the detokenizer keeps to its Python window, same text."""
+    from tokenizers import decoders
+
+    class Unseeded:  # the 0.21 signature: no ids
+        def __init__(self, skip_special_tokens: bool = False) -> None:
+            pass
+
+    if release == "without DecodeStream":
+        monkeypatch.delattr(decoders, "DecodeStream")
+    else:
+        monkeypatch.setattr(decoders, "DecodeStream", Unseeded)
+    assert tokenizer.decode_stream([0], True) is None
+    ids = tokenizer.encode("Café ☕ 日本語.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [0])
+    assert detok._stream is None
+    assert "".join(detok.push([t]) for t in ids) + detok.flush() == tokenizer.decode(ids)
