@@ -36,14 +36,37 @@ _LINE_BREAKS = (
 )
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
-    """One ``data:`` event, encoded once (orjson: UTF-8 bytes, ~10x json.dumps on chunks)."""
-    data = orjson.dumps(payload)
+def _json(value: Any) -> bytes:
+    data = orjson.dumps(value)
     if not data.isascii():
         for raw, escaped in _LINE_BREAKS:
             if raw in data:
                 data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
+    return data
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One ``data:`` event, encoded once (orjson: UTF-8 bytes, ~10x json.dumps on chunks)."""
+    return b"data: " + _json(payload) + b"\n\n"
+
+
+class TextEvents:
+    """The SSE event of a chunk that differs from the others of its choice only by its text:
+    the bytes around the text encoded once, the text on its own (0.16 us, where building the
+    chunk dict and encoding it costs ~1.2 us: a token of a plain stream). The same bytes as
+    ``sse_event`` of that chunk: ``template`` is the chunk with :data:`TEXT` where the text goes
+    (orjson keeps key order)."""
+
+    TEXT = "\x00text\x00"
+
+    def __init__(self, template: dict[str, Any]) -> None:
+        head, _, tail = sse_event(template).partition(orjson.dumps(self.TEXT))
+        if not tail:
+            raise ValueError("the template has no TEXT")
+        self._head, self._tail = head, tail
+
+    def event(self, text: str) -> bytes:
+        return self._head + _json(text) + self._tail
 
 
 async def _wait_disconnect(receive: Receive) -> None:

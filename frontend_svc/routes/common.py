@@ -125,10 +125,13 @@ async def stream_sse(
     deltas: AsyncIterator[SequenceDelta],
     to_chunks: ChunkBuilder,
     usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
+    text_event: Callable[[SequenceDelta], bytes | None] | None = None,
 ) -> Response:
     """Start streaming once the first delta is in (so early engine errors get a real status).
 
     Later errors become an error event; the stream always ends with ``data: [DONE]``.
+    ``text_event``: a delta's event as bytes when only its text is new (see ``TextEvents``),
+    else None and ``to_chunks`` builds it.
     """
     state = gateway(request)
     watcher = DisconnectWatcher(request.receive)  # until the response ends (SSEResponse closes it)
@@ -152,8 +155,12 @@ async def stream_sse(
                     while True:
                         if usage_chunk is not None:  # counted only for the usage chunk
                             usage.add(delta)
-                        for chunk in to_chunks(delta):
-                            yield sse_event(chunk)
+                        event = text_event(delta) if text_event is not None else None
+                        if event is not None:
+                            yield event
+                        else:
+                            for chunk in to_chunks(delta):
+                                yield sse_event(chunk)
                         try:
                             delta = await deltas.__anext__()
                         except StopAsyncIteration:

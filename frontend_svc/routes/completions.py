@@ -37,7 +37,7 @@ from frontend_svc.routes.common import (
     stream_sse,
     with_server_defaults,
 )
-from frontend_svc.sse import ClientDisconnected, until_disconnected
+from frontend_svc.sse import ClientDisconnected, TextEvents, until_disconnected
 from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
 
 
@@ -104,9 +104,8 @@ async def create_completion(request: Request) -> Response:
     if req.echo_only:
         deltas = _without_output(deltas)
     if req.stream:
-        return await stream_sse(
-            request, deltas, ctx.chunks, ctx.usage_chunk if req.options.include_usage else None
-        )
+        usage_chunk = ctx.usage_chunk if req.options.include_usage else None
+        return await stream_sse(request, deltas, ctx.chunks, usage_chunk, ctx.text_event)
     try:
         results = await until_disconnected(request, collect(deltas, len(prepared) * sampling.n))
     except ClientDisconnected:
@@ -151,6 +150,13 @@ class _Context:
         self._logprobs: dict[int, CompletionLogprobs] = {}
         self._texts: TokenTexts = TOKEN_ID_TEXTS if req.options.tokens_as_token_ids else tokenizer
         self._num_tokens: dict[int, int] = {}  # output tokens so far, per choice (streaming)
+        # A plain stream (no logprobs, token ids or running usage) varies only in the text
+        # between a choice's first and last chunk: those events come from TextEvents.
+        o = req.options
+        self._plain = req.sampling.logprobs is None and not (
+            o.return_token_ids or o.continuous_usage
+        )
+        self._text_events: dict[int, TextEvents] = {}
 
     def _head(self) -> dict[str, Any]:
         return {
@@ -235,6 +241,20 @@ class _Context:
         elif self.req.options.include_usage:
             chunk["usage"] = None
         return [chunk]
+
+    def text_event(self, d: SequenceDelta) -> bytes | None:
+        """``d``'s event when only its text is new (the same bytes ``chunks`` would give),
+        else None."""
+        if not self._plain or d.first or d.finish_reason is not None or d.stop_reason is not None:
+            return None
+        if not d.text:
+            return None
+        events = self._text_events.get(d.index)
+        if events is None:  # the choice's chunk, built once by chunks() with a stand-in text
+            template = self.chunks(replace(d, text=TextEvents.TEXT, token_ids=(), logprobs=()))
+            events = self._text_events[d.index] = TextEvents(template[0])
+        self._num_tokens[d.index] = self._num_tokens.get(d.index, 0) + len(d.token_ids)
+        return events.event(d.text)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         chunk = self._head()

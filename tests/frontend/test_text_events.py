@@ -1,0 +1,125 @@
+"""The pre-encoded SSE event of a plain stream's middle chunks is byte for byte the event
+``chunks`` + ``sse_event`` give, for completions and chat, and leaves every other chunk to them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from frontend_svc.engine_types import TokenizerFiles
+from frontend_svc.output_processor import SequenceDelta
+from frontend_svc.protocol.parse import parse_chat, parse_completion
+from frontend_svc.routes import chat, completions
+from frontend_svc.sse import TextEvents, sse_event
+from frontend_svc.tokenizer import Tokenizer
+
+TEXTS = ["a", " world", '"quoted"', "back\\slash", "tab\there", "new\nline", "\u2028", "\x85x",
+         "naïve café", "日本語", "🙂", "\x00\x1f", "</script>", "{}[],:"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_files(
+        TokenizerFiles({p.name: p.read_bytes() for p in tokenizer_dir.iterdir()})
+    )
+
+
+def _deltas(n: int, seed: int) -> list[SequenceDelta]:
+    """n choices, interleaved: a first delta each, middles (some empty), a final each."""
+    rng = random.Random(seed)
+    out: list[SequenceDelta] = []
+    for step in range(12):
+        for index in range(n):
+            last = step == 11
+            text = rng.choice(TEXTS) if rng.random() > 0.1 else ""
+            out.append(
+                SequenceDelta(
+                    index, 0, text, (7,), (), (), "length" if last else None, None, 3, 1, step == 0
+                )  # fmt: skip
+            )
+    return out
+
+
+def _stream(to_chunks: Callable[[SequenceDelta], list[dict[str, Any]]],
+            text_event: Callable[[SequenceDelta], bytes | None] | None,
+            deltas: list[SequenceDelta]) -> tuple[list[bytes], int]:  # fmt: skip
+    events, fast = [], 0
+    for d in deltas:
+        event = text_event(d) if text_event is not None else None
+        if event is not None:
+            events.append(event)
+            fast += 1
+        else:
+            events += [sse_event(c) for c in to_chunks(d)]
+    return events, fast
+
+
+COMPLETION_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"n": 2},
+    {"echo": True},
+    {"stream_options": {"include_usage": True}},
+    {"logprobs": 2},
+    {"return_token_ids": True},
+    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+]
+
+
+@pytest.mark.parametrize("options", COMPLETION_OPTIONS, ids=str)
+def test_completion_text_events_equal_the_chunks(tokenizer: Tokenizer, options: dict) -> None:
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 12, "stream": True, **options}
+    req = parse_completion(body, 20)
+    n = options.get("n", 1)
+
+    def ctx() -> completions._Context:
+        return completions._Context(req, tokenizer, [[0, 5, 6]], ["Hello"], "cmpl-x1", "m")
+
+    deltas = _deltas(n, seed=len(str(options)))
+    slow, _ = _stream(ctx().chunks, None, deltas)
+    c = ctx()
+    quick, fast = _stream(c.chunks, c.text_event, deltas)
+    assert quick == slow
+    plain = not ({"logprobs", "return_token_ids"} & set(options)) and "continuous" not in str(
+        options
+    )
+    assert (fast > 0) == plain  # used for plain streams only, and there for the middles
+
+
+CHAT_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"n": 2},
+    {"stream_options": {"include_usage": True}},
+    {"logprobs": True, "top_logprobs": 1},
+    {"return_token_ids": True},
+    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+]
+
+
+@pytest.mark.parametrize("options", CHAT_OPTIONS, ids=str)
+def test_chat_text_events_equal_the_chunks(tokenizer: Tokenizer, options: dict) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {"model": "m", "messages": messages, "max_tokens": 12, "stream": True, **options}
+    req = parse_chat(body, 20)
+    n = options.get("n", 1)
+
+    def ctx() -> chat._Context:
+        return chat._Context(req, tokenizer, "chatcmpl-x1", "m", None, [0, 5, 6])
+
+    deltas = _deltas(n, seed=len(str(options)))
+    slow, _ = _stream(ctx().chunks, None, deltas)
+    c = ctx()
+    quick, fast = _stream(c.chunks, c.text_event, deltas)
+    assert quick == slow
+    plain = not ({"logprobs", "return_token_ids"} & set(options)) and "continuous" not in str(
+        options
+    )
+    assert (fast > 0) == plain
+
+
+def test_a_template_without_the_text_marker_is_refused() -> None:
+    with pytest.raises(ValueError):
+        TextEvents({"choices": [{"text": "no marker"}]})
