@@ -28,6 +28,7 @@ from frontend_svc.logprobs_format import TOKEN_ID_TEXTS, TokenTexts, chat_logpro
 from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import ChatRequest, parse_chat
 from frontend_svc.routes.common import (
+    PlainTextEvents,
     gateway,
     parse_body,
     prompt_encoder,
@@ -36,7 +37,7 @@ from frontend_svc.routes.common import (
     stream_sse,
     with_server_defaults,
 )
-from frontend_svc.sse import ClientDisconnected, TextEvents, until_disconnected
+from frontend_svc.sse import ClientDisconnected, until_disconnected
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolCallStream, ToolParser
 
@@ -116,10 +117,8 @@ class _Context:
         # A plain stream (no tools, logprobs, token ids or running usage) varies only in the
         # content between a choice's first and last chunk: those events come from TextEvents.
         o = req.options
-        self._plain = parser is None and not (
-            req.logprobs or o.return_token_ids or o.continuous_usage
-        )
-        self._text_events: dict[int, TextEvents] = {}
+        plain = parser is None and not (req.logprobs or o.return_token_ids or o.continuous_usage)
+        self.text_event = PlainTextEvents(plain, self.chunks).event
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -185,20 +184,6 @@ class _Context:
                 choice["token_ids"] = list(d.token_ids)
             out.append(self._chunk(choice, d))
         return out
-
-    def text_event(self, d: SequenceDelta) -> bytes | None:
-        """``d``'s event when only its content is new (the same bytes ``chunks`` would give),
-        else None."""
-        if not self._plain or d.first or d.finish_reason is not None or d.stop_reason is not None:
-            return None
-        if not d.text:
-            return None
-        events = self._text_events.get(d.index)
-        if events is None:  # the choice's chunk, built once by chunks() with a stand-in text
-            template = self.chunks(replace(d, text=TextEvents.TEXT, token_ids=(), logprobs=()))
-            events = self._text_events[d.index] = TextEvents(template[0])
-        self._num_tokens[d.index] += len(d.token_ids)
-        return events.event(d.text)
 
     def _delta(self, d: SequenceDelta) -> tuple[dict[str, Any], bool]:
         """The chunk's delta (content and tool-call pieces) and whether the choice made calls."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -27,6 +28,7 @@ from frontend_svc.sse import (
     ClientDisconnected,
     DisconnectWatcher,
     SSEResponse,
+    TextEvents,
     sse_event,
 )
 
@@ -176,6 +178,31 @@ async def stream_sse(
     # (the events never start then, so their own closing of the deltas never runs).
     closing = getattr(deltas, "aclose", None)
     return SSEResponse(events(), watcher=watcher, closing=closing)
+
+
+class PlainTextEvents:
+    """A call's pre-encoded events (``TextEvents``, one per choice) for the chunks of a plain
+    stream that only carry new text: neither a choice's first chunk nor its last, and nothing
+    per token but the text (``plain``: the call asked for no logprobs, token ids, tools or
+    running usage). ``chunks``: the route's chunk builder, which also makes each template."""
+
+    def __init__(self, plain: bool, chunks: ChunkBuilder) -> None:
+        self._plain = plain
+        self._chunks = chunks
+        self._by_choice: dict[int, TextEvents] = {}
+
+    def event(self, d: SequenceDelta) -> bytes | None:
+        """``d``'s event, the bytes ``chunks`` + ``sse_event`` give; None: not such a chunk.
+        (The route's running token counts are skipped: only running usage reads them.)"""
+        if not self._plain or d.first or d.finish_reason is not None or d.stop_reason is not None:
+            return None
+        if not d.text:
+            return None
+        events = self._by_choice.get(d.index)
+        if events is None:  # the choice's chunk, built once with a stand-in for the text
+            template = self._chunks(replace(d, text=TextEvents.TEXT, token_ids=(), logprobs=()))
+            events = self._by_choice[d.index] = TextEvents(template[0])
+        return events.event(d.text)
 
 
 class _closing:

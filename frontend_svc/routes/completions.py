@@ -29,6 +29,7 @@ from frontend_svc.logprobs_format import (
 from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import CompletionRequest, parse_completion
 from frontend_svc.routes.common import (
+    PlainTextEvents,
     gateway,
     parse_body,
     prompt_encoder,
@@ -37,7 +38,7 @@ from frontend_svc.routes.common import (
     stream_sse,
     with_server_defaults,
 )
-from frontend_svc.sse import ClientDisconnected, TextEvents, until_disconnected
+from frontend_svc.sse import ClientDisconnected, until_disconnected
 from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
 
 
@@ -153,10 +154,8 @@ class _Context:
         # A plain stream (no logprobs, token ids or running usage) varies only in the text
         # between a choice's first and last chunk: those events come from TextEvents.
         o = req.options
-        self._plain = req.sampling.logprobs is None and not (
-            o.return_token_ids or o.continuous_usage
-        )
-        self._text_events: dict[int, TextEvents] = {}
+        plain = req.sampling.logprobs is None and not (o.return_token_ids or o.continuous_usage)
+        self.text_event = PlainTextEvents(plain, self.chunks).event
 
     def _head(self) -> dict[str, Any]:
         return {
@@ -241,20 +240,6 @@ class _Context:
         elif self.req.options.include_usage:
             chunk["usage"] = None
         return [chunk]
-
-    def text_event(self, d: SequenceDelta) -> bytes | None:
-        """``d``'s event when only its text is new (the same bytes ``chunks`` would give),
-        else None."""
-        if not self._plain or d.first or d.finish_reason is not None or d.stop_reason is not None:
-            return None
-        if not d.text:
-            return None
-        events = self._text_events.get(d.index)
-        if events is None:  # the choice's chunk, built once by chunks() with a stand-in text
-            template = self.chunks(replace(d, text=TextEvents.TEXT, token_ids=(), logprobs=()))
-            events = self._text_events[d.index] = TextEvents(template[0])
-        self._num_tokens[d.index] = self._num_tokens.get(d.index, 0) + len(d.token_ids)
-        return events.event(d.text)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         chunk = self._head()

@@ -58,66 +58,53 @@ def _stream(to_chunks: Callable[[SequenceDelta], list[dict[str, Any]]],
     return events, fast
 
 
-COMPLETION_OPTIONS: list[dict[str, Any]] = [
-    {},
-    {"n": 2},
-    {"echo": True},
-    {"stream_options": {"include_usage": True}},
-    {"logprobs": 2},
-    {"return_token_ids": True},
-    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+CASES: list[tuple[str, dict[str, Any]]] = [
+    *(
+        ("completion", options)
+        for options in (
+            {},
+            {"n": 2},
+            {"echo": True},
+            {"stream_options": {"include_usage": True}},
+            {"logprobs": 2},
+            {"return_token_ids": True},
+            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )
+    ),
+    *(
+        ("chat", options)
+        for options in (
+            {},
+            {"n": 2},
+            {"stream_options": {"include_usage": True}},
+            {"logprobs": True, "top_logprobs": 1},
+            {"return_token_ids": True},
+            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )
+    ),
 ]
 
 
-@pytest.mark.parametrize("options", COMPLETION_OPTIONS, ids=str)
-def test_completion_text_events_equal_the_chunks(tokenizer: Tokenizer, options: dict) -> None:
-    body = {"model": "m", "prompt": "Hello", "max_tokens": 12, "stream": True, **options}
-    req = parse_completion(body, 20)
-    n = options.get("n", 1)
-
-    def ctx() -> completions._Context:
+def _context(kind: str, options: dict[str, Any], tokenizer: Tokenizer) -> Any:
+    """A fresh per-call context of the route, for these request options."""
+    if kind == "completion":
+        body = {"model": "m", "prompt": "Hello", "max_tokens": 12, "stream": True, **options}
+        req = parse_completion(body, 20)
         return completions._Context(req, tokenizer, [[0, 5, 6]], ["Hello"], "cmpl-x1", "m")
-
-    deltas = _deltas(n, seed=len(str(options)))
-    slow, _ = _stream(ctx().chunks, None, deltas)
-    c = ctx()
-    quick, fast = _stream(c.chunks, c.text_event, deltas)
-    assert quick == slow
-    plain = not ({"logprobs", "return_token_ids"} & set(options)) and "continuous" not in str(
-        options
-    )
-    assert (fast > 0) == plain  # used for plain streams only, and there for the middles
-
-
-CHAT_OPTIONS: list[dict[str, Any]] = [
-    {},
-    {"n": 2},
-    {"stream_options": {"include_usage": True}},
-    {"logprobs": True, "top_logprobs": 1},
-    {"return_token_ids": True},
-    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-]
-
-
-@pytest.mark.parametrize("options", CHAT_OPTIONS, ids=str)
-def test_chat_text_events_equal_the_chunks(tokenizer: Tokenizer, options: dict) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     body = {"model": "m", "messages": messages, "max_tokens": 12, "stream": True, **options}
-    req = parse_chat(body, 20)
-    n = options.get("n", 1)
+    return chat._Context(parse_chat(body, 20), tokenizer, "chatcmpl-x1", "m", None, [0, 5, 6])
 
-    def ctx() -> chat._Context:
-        return chat._Context(req, tokenizer, "chatcmpl-x1", "m", None, [0, 5, 6])
 
-    deltas = _deltas(n, seed=len(str(options)))
-    slow, _ = _stream(ctx().chunks, None, deltas)
-    c = ctx()
-    quick, fast = _stream(c.chunks, c.text_event, deltas)
+@pytest.mark.parametrize(("kind", "options"), CASES, ids=str)
+def test_text_events_equal_the_chunks(tokenizer: Tokenizer, kind: str, options: dict) -> None:
+    deltas = _deltas(options.get("n", 1), seed=len(str(options)))
+    slow, _ = _stream(_context(kind, options, tokenizer).chunks, None, deltas)
+    ctx = _context(kind, options, tokenizer)
+    quick, fast = _stream(ctx.chunks, ctx.text_event, deltas)
     assert quick == slow
-    plain = not ({"logprobs", "return_token_ids"} & set(options)) and "continuous" not in str(
-        options
-    )
-    assert (fast > 0) == plain
+    per_token = {"logprobs", "return_token_ids"} & set(options) or "continuous" in str(options)
+    assert (fast > 0) == (not per_token)  # used for plain streams only, and there for the middles
 
 
 def test_a_template_without_the_text_marker_is_refused() -> None:
