@@ -373,13 +373,13 @@ class Metrics:
 
 
 class _SequenceChildren:
-    """The labelled children a sequence observes on every output, looked up once per model
-    name rather than per call (``labels()`` takes a lock and checks its arguments)."""
+    """The labelled children a sequence observes on every output, held as attributes (the
+    per-token path skips even :meth:`Metrics.child`'s dict lookup), renewed per model name."""
 
     def __init__(self, metrics: Metrics) -> None:
         m = self.model_name = metrics.model_name
-        self.ttft = metrics.ttft.labels(m)
-        self.itl = metrics.itl.labels(m)
+        self.ttft = metrics.child(metrics.ttft, m)
+        self.itl = metrics.child(metrics.itl, m)
 
 
 class SequenceTimer:

@@ -194,9 +194,8 @@ class PlainTextEvents:
     def event(self, d: SequenceDelta) -> bytes | None:
         """``d``'s event, the bytes ``chunks`` + ``sse_event`` give; None: not such a chunk.
         (The route's running token counts are skipped: only running usage reads them.)"""
-        if not self._plain or d.first or d.finish_reason is not None or d.stop_reason is not None:
-            return None
-        if not d.text:
+        plain_middle = d.text and not d.first and d.finish_reason is None and d.stop_reason is None
+        if not (self._plain and plain_middle):
             return None
         events = self._by_choice.get(d.index)
         if events is None:  # the choice's chunk, built once with a stand-in for the text
