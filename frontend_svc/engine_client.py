@@ -92,6 +92,24 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # tokenizer chunks and long prompts
 ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
+class OpenRequest:
+    """A request sent on an engine stream (:meth:`EngineClient.open`): the reader puts its
+    outputs in ``collector``; :meth:`close` ends it (``ended``: the engine ended or failed it;
+    otherwise it is aborted there)."""
+
+    __slots__ = ("client", "request_id", "epoch", "collector", "_closed")
+
+    def __init__(self, client: EngineClient, request_id: str, epoch: int) -> None:
+        self.client, self.request_id, self.epoch = client, request_id, epoch
+        self.collector = OutputCollector()
+        self._closed = False
+
+    def close(self, ended: bool) -> None:
+        if not self._closed:
+            self._closed = True
+            self.client._release(self, ended)
+
+
 class EngineClient:
     """Multiplexes many requests over one gRPC stream to one engine, reconnecting as needed."""
 
@@ -167,6 +185,29 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------
 
+    def open(self, request: EngineRequest) -> OpenRequest:
+        """Send ``request``; its outputs arrive in the returned handle's collector, which the
+        caller must ``close`` once it is done with it. Raises :class:`EngineUnavailableError`
+        when there is no engine. (:meth:`generate` wraps it; the pool reads the collector
+        itself, one async generator fewer per token.)"""
+        outbox = self._outbox
+        if outbox is None or not self.connected:
+            raise EngineUnavailableError(self._unavailable_reason())
+        rid = request.request_id
+        if rid in self._collectors:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        handle = OpenRequest(self, rid, self._epoch)
+        self._collectors[rid] = handle.collector
+        outbox.put_nowait(pb.EngineCoreRequest(add=_add_request(request)))
+        return handle
+
+    def _release(self, handle: OpenRequest, ended: bool) -> None:
+        if self._collectors.get(handle.request_id) is handle.collector:
+            del self._collectors[handle.request_id]
+        if not ended and handle.epoch == self._epoch and self._outbox is not None:
+            abort = pb.AbortRequest(request_ids=[handle.request_id])
+            self._outbox.put_nowait(pb.EngineCoreRequest(abort=abort))
+
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Send ``request`` and yield its outputs until the one with a finish reason.
 
@@ -174,34 +215,21 @@ class EngineClient:
         :class:`EngineUnavailableError` when there is no engine or the stream breaks. Closing the
         generator early aborts the request on the engine. Use it under ``contextlib.aclosing``.
         """
-        outbox = self._outbox
-        if outbox is None or not self.connected:
-            raise EngineUnavailableError(self._unavailable_reason())
-        rid = request.request_id
-        if rid in self._collectors:
-            raise ValueError(f"request id {rid!r} is already in flight")
-        collector = OutputCollector()
-        epoch = self._epoch
-        self._collectors[rid] = collector
-        outbox.put_nowait(pb.EngineCoreRequest(add=_add_request(request)))
-        done = False
+        handle = self.open(request)
+        ended = False
         try:
             while True:
                 try:
-                    item = await collector.get()
+                    item = await handle.collector.get()
                 except Exception:
-                    done = True
+                    ended = True  # failed, or the stream broke: nothing left to abort
                     raise
                 yield item
                 if item.finished:
-                    done = True
+                    ended = True
                     return
         finally:
-            self._collectors.pop(rid, None)
-            if not done and epoch == self._epoch and self._outbox is not None:
-                self._outbox.put_nowait(
-                    pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=[rid]))
-                )
+            handle.close(ended)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Ask the engine to abort requests (no-op when disconnected: they are gone anyway)."""

@@ -271,13 +271,29 @@ class EnginePool:
             produced = False
             engine.in_flight += 1
             try:
-                async with contextlib.aclosing(engine.client.generate(request)) as outputs:
-                    async for out in outputs:
+                # The request's collector is read here, not through EngineClient.generate: a
+                # generator and a coroutine fewer to resume for every token (~0.5 us of ~16).
+                handle = engine.client.open(request)
+                collector, ended = handle.collector, False
+                try:
+                    while True:
+                        try:
+                            out = collector.take()
+                        except Exception:
+                            ended = True  # failed, or the stream broke: nothing to abort
+                            raise
+                        if out is None:
+                            await collector.wait()
+                            continue
                         if not produced and out.finish_reason is FinishReason.ABORT:
+                            ended = True
                             raise EngineUnavailableError(f"engine {address} aborted the request")
-                        produced = True
+                        produced, ended = True, out.finished
                         yield out
-                return
+                        if ended:
+                            return
+                finally:
+                    handle.close(ended)
             except (EngineUnavailableError, EngineRequestError) as e:
                 retryable = isinstance(e, EngineUnavailableError) or e.code in _RETRYABLE_CODES
                 if (

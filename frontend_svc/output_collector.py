@@ -1,7 +1,8 @@
 """One request's engine outputs, handed from the engine-stream reader to the request's consumer.
 
 The reader (``EngineClient._dispatch``, on the gateway's event loop) calls :meth:`put` for every
-output and :meth:`fail` when the request fails; the consumer awaits :meth:`get`, which returns
+output and :meth:`fail` when the request fails; the consumer awaits :meth:`get` (or, on the
+per-token path, calls :meth:`take` and awaits :meth:`wait` when it gets None), which returns
 everything that arrived since its previous call merged into one output. A client slower than the
 engine therefore gets fewer, larger deltas instead of a backlog that grows with every step
 (vLLM's ``RequestOutputCollector``), and a consumer that keeps up takes each output without a
@@ -41,19 +42,34 @@ class OutputCollector:
 
     async def get(self) -> EngineOutput:
         """The outputs since the last call, merged; waits when there are none."""
-        while not self._pending:
+        while (output := self.take()) is None:
+            await self.wait()
+        return output
+
+    def take(self) -> EngineOutput | None:
+        """The outputs since the last call, merged; None when there are none yet. Raises the
+        request's error once every output before it has been taken."""
+        pending = self._pending
+        if not pending:
             if self._error is not None:
                 raise self._error
+            return None
+        self._pending = []
+        return pending[0] if len(pending) == 1 else merge_outputs(pending)
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future done when an output or the error arrives (at once if one is there). A
+        consumer on the per-token path awaits it directly, with ``take``: ``get`` costs a
+        coroutine more per token."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # done: woken before, or its awaiter was cancelled
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        pending, self._pending = self._pending, []
-        return pending[0] if len(pending) == 1 else merge_outputs(pending)
+            waiter = self._waiter = loop.create_future()
+            if self._pending or self._error is not None:
+                waiter.set_result(None)
+        return waiter
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -179,6 +179,7 @@ class FakeEngine:
         self.added: list[str] = []
         self.add_messages: dict[str, pb.AddRequest] = {}  # every admitted request, as sent
         self.aborted: list[str] = []
+        self.abort_requests: list[str] = []  # every id a Stream asked to abort, running or not
         self._seen_prompts: list[tuple[str | int, ...]] = []
         self._queries = 0
         self._hits = 0
@@ -484,6 +485,7 @@ class _Servicer(pb_grpc.EngineServicer):
                     if rid is not None:
                         owned.add(rid)
                 elif kind == "abort":
+                    engine.abort_requests.extend(message.abort.request_ids)
                     engine.abort(list(message.abort.request_ids))
 
         reader = asyncio.create_task(read())

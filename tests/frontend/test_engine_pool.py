@@ -218,6 +218,31 @@ def test_parse_engine_targets_rejects_unbracketed_ipv6(spec: str) -> None:
 # -- spreading and prefix affinity ---------------------------------------------------------------
 
 
+def test_a_request_closed_early_is_aborted_and_a_finished_one_is_not(engines: Engines) -> None:
+    # The pool reads each request's collector itself (not through EngineClient.generate), so it
+    # owns the abort: closing its generator mid-stream must abort the request on the engine, and
+    # closing it after the last output must not.
+    a = engines.start()
+
+    async def scenario() -> None:
+        async with running_pool(pool_config(a.address)) as pool:
+            await until(lambda: usable(pool) == {a.address}, "the engine")
+            early = pool.generate(request("early", max_tokens=200))
+            assert (await early.__anext__()).new_token_ids
+            await early.aclose()
+            await until(lambda: "early" in a.aborted, "the abort")
+            assert len(await complete(pool, request("whole", max_tokens=3))) == 3
+            kept = pool.generate(request("kept", max_tokens=1))
+            last = await kept.__anext__()
+            assert last.finish_reason is FinishReason.LENGTH
+            await kept.aclose()  # closed after its last output: nothing to abort
+            await until(lambda: a.num_in_flight == 0, "the requests to end")
+            await asyncio.sleep(0.05)  # an abort, had one been sent, would be in by now
+            assert a.abort_requests == ["early"]
+
+    engines.run(scenario())
+
+
 def test_simultaneous_requests_split_evenly(engines: Engines) -> None:
     a, b = engines.start(), engines.start()
 

@@ -118,3 +118,52 @@ async def _a_cancelled_consumer_leaves_the_collector_usable() -> None:
         await waiting
     c.put(_out((3,)))  # no waiter left to wake: nothing raises
     assert (await c.get()).new_token_ids == (3,)
+
+
+def test_take_and_wait_are_get_without_a_coroutine() -> None:
+    asyncio.run(_take_and_wait_are_get_without_a_coroutine())
+
+
+async def _take_and_wait_are_get_without_a_coroutine() -> None:
+    c = OutputCollector()
+    assert c.take() is None
+    waiter = c.wait()
+    assert not waiter.done() and c.wait() is waiter  # one waiter until it is woken
+    first = _out((1,))
+    c.put(first)
+    assert waiter.done()
+    await waiter
+    assert c.take() is first and c.take() is None
+    c.put(_out((2,)))
+    assert c.wait().done()  # an output already there: no waiting
+    assert c.take().new_token_ids == (2,)  # type: ignore[union-attr]
+    c.put(_out((3,)))
+    c.put(_out((4,)))
+    c.fail(EngineRequestError(EngineErrorCode.INTERNAL, "boom"))
+    assert c.take().new_token_ids == (3, 4)  # type: ignore[union-attr]
+    assert c.wait().done()  # the error is there
+    with pytest.raises(EngineRequestError, match="boom"):
+        c.take()
+
+
+def test_a_waiter_whose_consumer_was_cancelled_is_replaced() -> None:
+    asyncio.run(_a_waiter_whose_consumer_was_cancelled_is_replaced())
+
+
+async def _a_waiter_whose_consumer_was_cancelled_is_replaced() -> None:
+    c = OutputCollector()
+
+    async def consume() -> EngineOutput:
+        while (out := c.take()) is None:
+            await c.wait()
+        return out
+
+    gone = asyncio.ensure_future(consume())
+    await asyncio.sleep(0)
+    gone.cancel()  # cancels the waiter it was awaiting
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    again = asyncio.ensure_future(consume())
+    await asyncio.sleep(0)
+    c.put(_out((5,)))  # must wake the new consumer, not the cancelled waiter
+    assert (await asyncio.wait_for(again, 1)).new_token_ids == (5,)
