@@ -34,6 +34,10 @@ bare app then runs on the same steps (``relay_standins.py bare --record``: every
 stream its token at once and keeps the step's time), measured the same way, and the target is
 on the gateway's percentiles over the bare app's.
 
+And the floor of one stream (benchmarks/relay_grpc_floor.py): a grpc.aio client that only reads
+the stand-in's one-token messages, as fast as they come. At C=1 the stand-in sends one message
+per token, so that rate bounds any gateway on grpcio there, however little it does per token.
+
     python benchmarks/gateway_relay.py --out benchmarks/results/gateway_relay_cpu.json
 """
 
@@ -69,6 +73,7 @@ from serve import _free_port, _process  # type: ignore[import-not-found]  # noqa
 
 STANDINS = [sys.executable, str(HERE / "relay_standins.py")]
 CLIENT_ARGV = [sys.executable, str(HERE / "relay_client.py")]
+FLOOR_ARGV = [sys.executable, str(HERE / "relay_grpc_floor.py")]
 CLIENT = (
     "benchmarks/relay_client.py: one process, asyncio streams, hand-written HTTP/1.1 "
     "(keep-alive, chunked), SSE split on blank lines, orjson per event"
@@ -122,6 +127,27 @@ def bare_server(tmp: Path, step_ms: float = 0.0, record: Path | None = None) -> 
 
 
 @contextlib.contextmanager
+def standin_engine(
+    tmp: Path,
+    tokenizer: tuple[Path, int],
+    step_ms: float = 0.0,
+    progress: Path | None = None,
+    lead_steps: int = 4,
+    record: Path | None = None,
+) -> Iterator[tuple[str, int]]:
+    """The stand-in engine (``relay_standins.py engine``); yields its address and pid."""
+    port = _free_port()
+    argv = [*STANDINS, "engine", "--port", str(port), "--step-ms", str(step_ms)]
+    argv += ["--tokenizer-dir", str(tokenizer[0]), "--token-id", str(tokenizer[1])]
+    if progress is not None:
+        argv += ["--progress", str(progress), "--lead-steps", str(lead_steps)]
+    if record is not None:
+        argv += ["--record", str(record)]
+    with _process(argv, READY, None, tmp / "engine.log") as engine:
+        yield f"127.0.0.1:{port}", engine.pid
+
+
+@contextlib.contextmanager
 def gateway_servers(
     tmp: Path,
     tokenizer: tuple[Path, int],
@@ -130,33 +156,42 @@ def gateway_servers(
     workers: int = 1,
     lead_steps: int = 4,
 ) -> Iterator[Servers]:
-    engine_port, port = _free_port(), _free_port()
     progress = Progress.create(tmp / "progress.bin")
-    engine_argv = [*STANDINS, "engine", "--port", str(engine_port)]
-    engine_argv += ["--tokenizer-dir", str(tokenizer[0]), "--token-id", str(tokenizer[1])]
-    engine_argv += ["--step-ms", str(step_ms), "--progress", str(progress)]
-    engine_argv += ["--lead-steps", str(lead_steps)]
-    if record is not None:
-        engine_argv += ["--record", str(record)]
+    port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    gateway_argv = [sys.executable, "-m", "frontend_svc", "--engine", f"127.0.0.1:{engine_port}"]
-    gateway_argv += ["--port", str(port), "--log-level", "warning"]
-    if workers > 1:
-        gateway_argv += ["--workers", str(workers)]
-    with (
-        _process(engine_argv, READY, None, tmp / "engine.log") as engine,
-        _process(gateway_argv, None, f"{url}/health", tmp / "gateway.log") as gateway,
-    ):
-        # every worker answers /health on its own connection: ask until many in a row say 200
-        ok, deadline = 0, time.monotonic() + 60
-        while ok < 10 * workers:
-            try:
-                ok = ok + 1 if httpx.get(f"{url}/health", timeout=5).status_code == 200 else 0
-            except httpx.HTTPError:
-                ok = 0
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway's workers never all connected; see {tmp}")
-        yield Servers(url, {"server": gateway.pid, "engine": engine.pid}, progress)
+    with standin_engine(tmp, tokenizer, step_ms, progress, lead_steps, record) as (address, pid):
+        gateway_argv = [sys.executable, "-m", "frontend_svc", "--engine", address]
+        gateway_argv += ["--port", str(port), "--log-level", "warning"]
+        if workers > 1:
+            gateway_argv += ["--workers", str(workers)]
+        with _process(gateway_argv, None, f"{url}/health", tmp / "gateway.log") as gateway:
+            # every worker answers /health on its own connection: ask until many in a row say 200
+            ok, deadline = 0, time.monotonic() + 60
+            while ok < 10 * workers:
+                try:
+                    ok = ok + 1 if httpx.get(f"{url}/health", timeout=5).status_code == 200 else 0
+                except httpx.HTTPError:
+                    ok = 0
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the gateway's workers never all connected; see {tmp}")
+            yield Servers(url, {"server": gateway.pid, "engine": pid}, progress)
+
+
+def grpc_read_floor(tmp: Path, tokenizer: tuple[Path, int], duration: float) -> dict[str, Any]:
+    """What a grpc.aio client that only reads the stand-in's one-token messages achieves
+    (benchmarks/relay_grpc_floor.py): the most a gateway on grpcio relays at one stream."""
+    with standin_engine(tmp, tokenizer) as (address, _):
+        argv = [*FLOOR_ARGV, "--engine", address, "--duration", str(duration)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 120)
+    if done.returncode != 0:
+        raise RuntimeError(f"the gRPC floor client failed: {done.stderr[-2000:]}")
+    floor: dict[str, Any] = orjson.loads(done.stdout.strip().splitlines()[-1])
+    print(
+        f"gRPC read floor: {floor['msg_s']:.0f} one-token messages/s, "
+        f"{floor['cpu_us_per_msg']:.1f} us of CPU each",
+        flush=True,
+    )
+    return floor
 
 
 # ---------------------------------------------------------------------------------- one point
@@ -285,8 +320,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in args.concurrency:
                 points.append(run_point("gateway", s, c, args, tmp))
 
-        c = args.paced_concurrency or max(args.concurrency)
+        floor = grpc_read_floor(tmp, tokenizer, args.duration)
         by = {(p["system"], p["concurrency"]): p for p in points}
+        if ("bare", 1) in by:
+            floor["vs_bare_c1_tok_s"] = floor["msg_s"] / by[("bare", 1)]["tok_s"]
+        results["grpc_read_floor"] = floor
+
+        c = args.paced_concurrency or max(args.concurrency)
         bare_cap = by.get(("bare", c), {}).get("tok_s", math.nan)
         capacity = min(bare_cap, by.get(("gateway", c), {}).get("tok_s", math.inf))
         if args.step_ms is None and math.isnan(capacity):
@@ -426,6 +466,13 @@ def report(results: dict[str, Any]) -> str:
         f"{floor['p50_ms']:.2f} ms, p90 {floor['p90_ms']:.2f} ms, p99 {floor['p99_ms']:.2f} ms, "
         f"max {floor['max_ms']:.2f} ms; the gateway over it: p50 {over['p50']:.2f} ms, "
         f"p90 {over['p90']:.2f} ms, p99 {over['p99']:.2f} ms"
+    )
+    floor = results["grpc_read_floor"]
+    versus = floor.get("vs_bare_c1_tok_s")
+    lines.append(
+        f"gRPC read floor (a grpc.aio client that only reads one-token messages): "
+        f"{floor['msg_s']:.0f} msg/s, {floor['cpu_us_per_msg']:.1f} us CPU each"
+        + (f" = {versus:.2f}x bare's C=1 tok/s" if versus is not None else "")
     )
     if not results["workers_flag"]:
         lines.append("gateway has no --workers flag: no multi-worker run")

@@ -123,3 +123,6 @@ def test_tiny_run_measures_every_system(tmp_path: Path) -> None:
     assert over["p99"] == latency["p99_ms"] - floor["p99_ms"]
     assert "paced_p99_added_over_bare_ms_c4" in results["verdicts"]
     assert results["ratios"]["4"]["tok_s"] > 0
+    floor = results["grpc_read_floor"]  # one-token messages read and dropped: a gateway's ceiling
+    assert floor["messages"] > 0 and floor["msg_s"] > 0 and floor["cpu_us_per_msg"] > 0
+    assert "vs_bare_c1_tok_s" not in floor  # no one-stream point in this run to compare with
