@@ -224,9 +224,11 @@ class EngineClient:
                 except Exception:
                     ended = True  # failed, or the stream broke: nothing left to abort
                     raise
+                # Set before the yield: a caller that stops reading after the last output
+                # closes this generator there, and a finished request needs no abort.
+                ended = item.finished
                 yield item
-                if item.finished:
-                    ended = True
+                if ended:
                     return
         finally:
             handle.close(ended)

@@ -288,6 +288,9 @@ class EnginePool:
                         if not produced and out.finish_reason is FinishReason.ABORT:
                             ended = True
                             raise EngineUnavailableError(f"engine {address} aborted the request")
+                        # Set before the yield: the sequence stops reading after the last
+                        # output, closing this generator there; a finished request needs no
+                        # abort (one used to be sent for every request).
                         produced, ended = True, out.finished
                         yield out
                         if ended:

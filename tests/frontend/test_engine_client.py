@@ -63,6 +63,13 @@ def test_demux_errors_and_abort(engine: FakeEngine) -> None:
         await asyncio.to_thread(wait_for, lambda: "c" in engine.aborted, 5, "abort of c")
         assert client.num_in_flight == 0
 
+        # closing it right after the last output aborts nothing: the request has ended
+        gen = client.generate(request("e", max_tokens=1))
+        assert (await gen.__anext__()).finish_reason is FinishReason.LENGTH
+        await gen.aclose()
+        await asyncio.sleep(0.1)  # an abort, had one been sent, would be in by now
+        assert "e" not in engine.abort_requests and "c" in engine.abort_requests
+
         await client.close()
         with pytest.raises(EngineUnavailableError):
             await client.generate(request("d")).__anext__()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -156,6 +159,29 @@ def test_sse_framing(gateway: GatewayServer) -> None:
     blocks = raw.split("\n\n")
     assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
     assert all(b.startswith("data: {") for b in blocks[:-2])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_finished_request_sends_the_engine_no_abort(
+    client: openai.OpenAI, engine: FakeEngine, stream: bool, route: str
+) -> None:
+    # Each request used to be aborted once it had finished (the sequence stops reading after
+    # its last output, and closing the engine stream then sent an abort): a second message to
+    # the engine per request, queued with the adds.
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 3, "stream": stream}
+    if route == "chat":
+        made = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Hello"}], **kwargs
+        )
+    else:
+        made = client.completions.create(prompt="Hello", **kwargs)
+    chunks = list(made) if stream else [made]  # type: ignore[call-overload]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    request_id = f"{chunks[0].id}-0"
+    wait_for(lambda: engine.num_in_flight == 0, 5, "the request to end")
+    time.sleep(0.1)  # an abort, had one been sent, would have reached the engine by now
+    assert request_id in engine.added and request_id not in engine.abort_requests
 
 
 @pytest.mark.parametrize("stream", [False, True])
