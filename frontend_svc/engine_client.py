@@ -94,8 +94,8 @@ ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 
 class OpenRequest:
     """A request sent on an engine stream (:meth:`EngineClient.open`): the reader puts its
-    outputs in ``collector``; :meth:`close` ends it (``ended``: the engine ended or failed it;
-    otherwise it is aborted there)."""
+    outputs in ``collector``; :meth:`close` ends it, aborting it on the engine unless its last
+    output or its error has been taken (``collector.ended``)."""
 
     __slots__ = ("client", "request_id", "epoch", "collector", "_closed")
 
@@ -104,10 +104,10 @@ class OpenRequest:
         self.collector = OutputCollector()
         self._closed = False
 
-    def close(self, ended: bool) -> None:
+    def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.client._release(self, ended)
+            self.client._release(self)
 
 
 class EngineClient:
@@ -201,9 +201,10 @@ class EngineClient:
         outbox.put_nowait(pb.EngineCoreRequest(add=_add_request(request)))
         return handle
 
-    def _release(self, handle: OpenRequest, ended: bool) -> None:
+    def _release(self, handle: OpenRequest) -> None:
         if self._collectors.get(handle.request_id) is handle.collector:
             del self._collectors[handle.request_id]
+        ended = handle.collector.ended
         if not ended and handle.epoch == self._epoch and self._outbox is not None:
             abort = pb.AbortRequest(request_ids=[handle.request_id])
             self._outbox.put_nowait(pb.EngineCoreRequest(abort=abort))
@@ -216,22 +217,14 @@ class EngineClient:
         generator early aborts the request on the engine. Use it under ``contextlib.aclosing``.
         """
         handle = self.open(request)
-        ended = False
         try:
             while True:
-                try:
-                    item = await handle.collector.get()
-                except Exception:
-                    ended = True  # failed, or the stream broke: nothing left to abort
-                    raise
-                # Set before the yield: a caller that stops reading after the last output
-                # closes this generator there, and a finished request needs no abort.
-                ended = item.finished
+                item = await handle.collector.get()
                 yield item
-                if ended:
+                if item.finished:
                     return
         finally:
-            handle.close(ended)
+            handle.close()  # aborts the request unless its last output or error was taken
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Ask the engine to abort requests (no-op when disconnected: they are gone anyway)."""

@@ -274,29 +274,23 @@ class EnginePool:
                 # The request's collector is read here, not through EngineClient.generate: a
                 # generator and a coroutine fewer to resume for every token (~0.5 us of ~16).
                 handle = engine.client.open(request)
-                collector, ended = handle.collector, False
+                collector = handle.collector
                 try:
                     while True:
-                        try:
-                            out = collector.take()
-                        except Exception:
-                            ended = True  # failed, or the stream broke: nothing to abort
-                            raise
+                        out = collector.take()
                         if out is None:
                             await collector.wait()
                             continue
                         if not produced and out.finish_reason is FinishReason.ABORT:
-                            ended = True
                             raise EngineUnavailableError(f"engine {address} aborted the request")
-                        # Set before the yield: the sequence stops reading after the last
-                        # output, closing this generator there; a finished request needs no
-                        # abort (one used to be sent for every request).
-                        produced, ended = True, out.finished
+                        produced = True
                         yield out
-                        if ended:
+                        if out.finished:
                             return
                 finally:
-                    handle.close(ended)
+                    # Aborts the request unless its last output or error was taken (the
+                    # sequence stops reading after the last output: that is no early leave).
+                    handle.close()
             except (EngineUnavailableError, EngineRequestError) as e:
                 retryable = isinstance(e, EngineUnavailableError) or e.code in _RETRYABLE_CODES
                 if (

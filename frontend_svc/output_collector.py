@@ -17,7 +17,7 @@ from frontend_svc.engine_types import EngineOutput, TokenLogprob
 
 
 class OutputCollector:
-    __slots__ = ("_pending", "_error", "_waiter", "_loop", "prefilled")
+    __slots__ = ("_pending", "_error", "_waiter", "_loop", "prefilled", "ended")
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None  # the consumer's, at its first wait
@@ -25,6 +25,9 @@ class OutputCollector:
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.prefilled = False  # a token has arrived (the reader counts the prompt once)
+        # The consumer has taken the request's last output or its error: nothing to abort.
+        # Set here, where both are seen, so no consumer can get the order wrong.
+        self.ended = False
 
     def put(self, output: EngineOutput) -> None:
         self._pending.append(output)
@@ -52,10 +55,14 @@ class OutputCollector:
         pending = self._pending
         if not pending:
             if self._error is not None:
+                self.ended = True
                 raise self._error
             return None
         self._pending = []
-        return pending[0] if len(pending) == 1 else merge_outputs(pending)
+        output = pending[0] if len(pending) == 1 else merge_outputs(pending)
+        if output.finish_reason is not None:
+            self.ended = True
+        return output
 
     def wait(self) -> asyncio.Future[None]:
         """A future done when an output or the error arrives (at once if one is there). A

@@ -167,3 +167,22 @@ async def _a_waiter_whose_consumer_was_cancelled_is_replaced() -> None:
     await asyncio.sleep(0)
     c.put(_out((5,)))  # must wake the new consumer, not the cancelled waiter
     assert (await asyncio.wait_for(again, 1)).new_token_ids == (5,)
+
+
+def test_ended_once_the_last_output_or_the_error_is_taken() -> None:
+    # What EngineClient's handle reads to decide whether closing a request aborts it.
+    done = OutputCollector()
+    done.put(_out((1,)))
+    done.put(_out((2,), finish_reason=FinishReason.LENGTH))
+    assert not done.ended  # arrived, not taken
+    assert done.take().new_token_ids == (1, 2) and done.ended  # type: ignore[union-attr]
+    running = OutputCollector()
+    running.put(_out((1,)))
+    running.take()
+    assert not running.ended
+    failed = OutputCollector()
+    failed.fail(EngineRequestError(EngineErrorCode.INTERNAL, "boom"))
+    assert not failed.ended
+    with pytest.raises(EngineRequestError):
+        failed.take()
+    assert failed.ended
