@@ -12,6 +12,11 @@ benchmarks/relay_standins.py):
                  steps ahead of the tokens the client has received: gRPC flow control alone lets
                  it run megabytes ahead and split its batches into one-request messages)
     gateway -wN  the same with ``--workers N`` (only when the gateway has that flag)
+    gateway-winW the gateway points again with ``--engine-window W`` (``--compare-window W``;
+                 ``--engine-window`` sets the first run's). With a window the stand-in merges
+                 the steps that come while it is full, as the real engine does, so a message
+                 (``out/msg``) and a chunk (``tok/chunk``) can carry several steps' tokens;
+                 tok/s counts tokens either way.
 
 For each system and concurrency C (``--concurrency``, default 1 64 256) the client keeps C
 streaming completions of ``--max-tokens`` tokens in flight (a closed loop, each connection's
@@ -155,6 +160,7 @@ def gateway_servers(
     record: Path | None = None,
     workers: int = 1,
     lead_steps: int = 4,
+    engine_window: int | None = None,
 ) -> Iterator[Servers]:
     progress = Progress.create(tmp / "progress.bin")
     port = _free_port()
@@ -164,6 +170,8 @@ def gateway_servers(
         gateway_argv += ["--port", str(port), "--log-level", "warning"]
         if workers > 1:
             gateway_argv += ["--workers", str(workers)]
+        if engine_window is not None:  # else the gateway's default (older trees lack the flag)
+            gateway_argv += ["--engine-window", str(engine_window)]
         with _process(gateway_argv, None, f"{url}/health", tmp / "gateway.log") as gateway:
             # every worker answers /health on its own connection: ask until many in a row say 200
             ok, deadline = 0, time.monotonic() + 60
@@ -272,7 +280,10 @@ def added_latency(raw: dict[str, Any], engine_record: dict[str, Any]) -> dict[st
         k = first
         for t, n in chunks:
             if t0 <= t < t1:
-                lat += [t - steps[stream][j] for j in range(k, k + n)]
+                sent = steps[stream][k : k + n]
+                if any(x is None or math.isnan(x) for x in sent):  # held, never sent: misjoined
+                    raise RuntimeError(f"a token of {request_id} was received before it was sent")
+                lat += [t - x for x in sent]
             k += n
     if not lat:
         raise RuntimeError(
@@ -316,9 +327,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with bare_server(tmp) as s:
             for c in args.concurrency:
                 points.append(run_point("bare", s, c, args, tmp))
-        with gateway_servers(tmp, tokenizer, lead_steps=args.lead_steps) as s:
+        with gateway_servers(
+            tmp, tokenizer, lead_steps=args.lead_steps, engine_window=args.engine_window
+        ) as s:
             for c in args.concurrency:
                 points.append(run_point("gateway", s, c, args, tmp))
+        if args.compare_window is not None:  # the same gateway with another engine window
+            with gateway_servers(
+                tmp, tokenizer, lead_steps=args.lead_steps, engine_window=args.compare_window
+            ) as s:
+                for c in args.concurrency:
+                    points.append(run_point(f"gateway-win{args.compare_window}", s, c, args, tmp))
 
         floor = grpc_read_floor(tmp, tokenizer, args.duration)
         by = {(p["system"], p["concurrency"]): p for p in points}
@@ -391,6 +410,9 @@ def ratios(points: list[dict[str, Any]], workers: int) -> dict[str, Any]:
         w = by.get((f"gateway-w{workers}", c))
         if w is not None:
             out[str(c)][f"workers{workers}_vs_1"] = w["tok_s"] / g["tok_s"]
+        for (other, oc), o in by.items():
+            if oc == c and other.startswith("gateway-win"):
+                out[str(c)][f"{other.removeprefix('gateway-')}_tok_s"] = o["tok_s"] / b["tok_s"]
     return out
 
 
@@ -445,7 +467,9 @@ def report(results: dict[str, Any]) -> str:
     lines += [_row(results["paced"]), _row(results["paced_bare"])]
     for c, r in results["ratios"].items():
         extra = "".join(
-            f", {k.replace('_', ' ')} {v:.2f}x" for k, v in r.items() if k.startswith("workers")
+            f", {k.replace('_', ' ')} {v:.2f}x"
+            for k, v in r.items()
+            if k.startswith(("workers", "win"))
         )
         lines.append(
             f"gateway/bare at C={c}: tok/s {r['tok_s']:.2f}x, CPU per token "
@@ -536,6 +560,18 @@ def main() -> None:
         default=4,
         help="unpaced stand-in engine: at most this many steps ahead of what the client has "
         "received (0: gRPC flow control only, which lets it run megabytes ahead)",
+    )
+    ap.add_argument(
+        "--engine-window",
+        type=int,
+        default=None,
+        help="the gateway's --engine-window (default: its own default)",
+    )
+    ap.add_argument(
+        "--compare-window",
+        type=int,
+        default=None,
+        help="also run the gateway points with this --engine-window (e.g. 0: no window)",
     )
     ap.add_argument("--workers", type=int, default=2, help="gateway --workers run (1: none)")
     ap.add_argument("--workers-concurrency", type=int, nargs="+", default=None)

@@ -15,7 +15,10 @@
             (read from the ``--progress`` board the client writes): the batches stay whole and
             the steps go as fast as the gateway drains them. The messages are built from bytes
             encoded once per request, so the engine costs little beyond gRPC's own per-message
-            work.
+            work. A client that sets a window (the contract's FlowControl, as the gateway does)
+            gets what the real engine does: the steps that come while its window is full are
+            held and sent as one message (each request's tokens in one entry) once it reports
+            progress; half-closing drops the window.
             ``--step-ms X`` paces the steps (one every X ms per stream); ``--record PATH`` keeps
             each step's send time (CLOCK_MONOTONIC) and each request's first step, written to
             PATH on SIGUSR1.
@@ -30,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import struct
@@ -95,6 +99,8 @@ class _Request:
     last: bytes  # the same with finish_reason LENGTH
     remaining: int
     first_step: int = -1
+    held: int = 0  # tokens of steps held while the client's window was full, not sent yet
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -107,6 +113,15 @@ class _ClientStream:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     steps: int = 0
     step_times: list[float] = field(default_factory=list)  # kept with --record only
+    # The client's FlowControl: its window (0: none), messages it has read, messages sent.
+    window: int = 0
+    read: int = 0
+    sent: int = 0
+    held: dict[str, _Request] = field(default_factory=dict)  # requests with held tokens
+    held_steps: list[int] = field(default_factory=list)  # steps held, their send time unknown
+
+    def window_full(self) -> bool:
+        return self.window > 0 and self.sent - self.read >= self.window
 
 
 class StandInEngine:
@@ -200,15 +215,82 @@ class StandInEngine:
         entry = _len_field(1, out.SerializeToString())
         out.finish_reason = pb.FINISH_REASON_LENGTH
         last = _len_field(1, out.SerializeToString())
-        s.running[add.request_id] = _Request(add.request_id, entry, last, max(1, max_tokens))
+        s.running[add.request_id] = _Request(
+            add.request_id,
+            entry,
+            last,
+            max(1, max_tokens),
+            num_prompt_tokens=len(add.prompt_token_ids),
+        )
         s.wake.set()
 
     def _abort(self, s: _ClientStream, request_ids: list[str]) -> None:
         for rid in request_ids:
-            if s.running.pop(rid, None) is not None:
-                out = pb.RequestOutput(request_id=rid, finish_reason=pb.FINISH_REASON_ABORT)
+            if (r := s.running.pop(rid, None)) is not None:
+                held = s.held.pop(rid, None)  # its held tokens go with its final output
+                out = pb.RequestOutput(
+                    request_id=rid,
+                    new_token_ids=[self.token_id] * (held.held if held else 0),
+                    finish_reason=pb.FINISH_REASON_ABORT,
+                )
+                r.held = 0
                 s.finals.append(_len_field(1, out.SerializeToString()))
                 s.wake.set()
+
+    def _hold(self, s: _ClientStream) -> None:
+        """A step while the client's window is full: its tokens wait, merged, for room."""
+        finished = []
+        tokens = len(s.running)
+        for r in s.running.values():
+            if r.first_step < 0:
+                r.first_step = s.steps
+                if self.record:
+                    self.first_steps[r.request_id] = (s.number, s.steps)
+            r.remaining -= 1
+            r.held += 1
+            s.held[r.request_id] = r
+            if not r.remaining:
+                finished.append(r.request_id)
+        for rid in finished:
+            del s.running[rid]
+        self.outputs += tokens
+        if self.record:
+            s.held_steps.append(s.steps)
+            s.step_times.append(math.nan)  # set when the held tokens are sent
+        s.steps += 1
+        if self.progress is not None:
+            self.progress.set(OUTPUTS, self.outputs)
+
+    def _flush(self, s: _ClientStream) -> bytes:
+        """One message with every held token (a request's in one entry) and the finals."""
+        parts, s.finals = s.finals, []
+        for r in s.held.values():
+            out = pb.RequestOutput(
+                request_id=r.request_id,
+                new_token_ids=[self.token_id] * r.held,
+                num_prompt_tokens=r.num_prompt_tokens,
+            )
+            if not r.remaining:
+                out.finish_reason = pb.FINISH_REASON_LENGTH
+            parts.append(_len_field(1, out.SerializeToString()))
+            r.held = 0
+        s.held.clear()
+        if s.held_steps:
+            now = time.monotonic()
+            for step in s.held_steps:
+                s.step_times[step] = now
+            s.held_steps.clear()
+        return self._message(s, parts)
+
+    def _message(self, s: _ClientStream, parts: list[bytes]) -> bytes:
+        load = pb.LoadStats(num_running_requests=len(s.running)).SerializeToString()
+        parts.append(_len_field(3, load))
+        parts.append(_TIMESTAMP_TAG + struct.pack("<d", time.time()))
+        s.sent += 1
+        self.messages += 1
+        if self.progress is not None:
+            self.progress.set(MESSAGES, self.messages)
+        return b"".join(parts)
 
     def _step(self, s: _ClientStream) -> bytes:
         """One step for one stream: a token for each running request, as EngineCoreOutputs."""
@@ -229,18 +311,13 @@ class StandInEngine:
                 finished.append(r.request_id)
         for rid in finished:
             del s.running[rid]
-        load = pb.LoadStats(num_running_requests=len(s.running)).SerializeToString()
-        parts.append(_len_field(3, load))
-        parts.append(_TIMESTAMP_TAG + struct.pack("<d", time.time()))
         s.steps += 1
         if self.record:
             s.step_times.append(time.monotonic())
-        self.messages += 1
         self.outputs += tokens
         if self.progress is not None:
-            self.progress.set(MESSAGES, self.messages)
             self.progress.set(OUTPUTS, self.outputs)
-        return b"".join(parts)
+        return self._message(s, parts)
 
     async def _read(self, s: _ClientStream, requests: AsyncIterator[Any]) -> None:
         async for message in requests:
@@ -249,6 +326,11 @@ class StandInEngine:
                 self._add(s, message.add)
             elif kind == "abort":
                 self._abort(s, list(message.abort.request_ids))
+            elif kind == "flow":
+                if message.flow.window:
+                    s.window = message.flow.window
+                s.read = max(s.read, min(message.flow.messages_read, s.sent))
+                s.wake.set()
 
     async def stream(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[bytes]:
         s = _ClientStream(len(self.streams))
@@ -258,8 +340,13 @@ class StandInEngine:
         next_t = time.monotonic()
         try:
             while True:
+                if reader.done():
+                    s.window = 0  # half-closed: no more progress reports can come
+                if s.held and not s.window_full():
+                    yield self._flush(s)
+                    continue
                 if not s.running and not s.finals:
-                    if reader.done():
+                    if reader.done() and not s.held:
                         return  # half-closed and nothing in flight: end the stream with OK
                     s.wake.clear()
                     waiter = asyncio.ensure_future(s.wake.wait())
@@ -268,12 +355,38 @@ class StandInEngine:
                     next_t = time.monotonic()
                     continue
                 if self.step_s > 0:
-                    next_t = await paced(next_t, self.step_s)
+                    next_t += self.step_s
+                    if next_t <= time.monotonic():  # fell behind: no burst to catch up
+                        next_t = time.monotonic()
+                    # Until the step is due, send what is held as soon as the client makes room.
+                    while (delay := next_t - time.monotonic()) > 0:
+                        if s.held and not s.window_full():
+                            yield self._flush(s)
+                            continue
+                        s.wake.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(s.wake.wait(), delay)
                 else:
                     await asyncio.sleep(0)  # let the reader take adds and aborts between steps
                     while self._ahead():
-                        await asyncio.sleep(0.0005)  # epoll rounds this up to 1 ms
-                if s.running or s.finals:
+                        if s.held and not s.window_full():
+                            break  # room again: send what is held at once
+                        # A progress report wakes this at once; the board is read every ~1 ms.
+                        s.wake.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(s.wake.wait(), 0.0005)
+                if s.held and not s.window_full():
+                    yield self._flush(s)  # then this step, if the window still has room
+                paced_somehow = self.step_s > 0 or (self.progress is not None and self.lead_steps)
+                if s.window_full():
+                    if s.running and paced_somehow:
+                        self._hold(s)  # the engine steps on; its tokens wait, merged
+                    else:  # only finals, or no model of the engine's pace: wait for room
+                        s.wake.clear()
+                        waiter = asyncio.ensure_future(s.wake.wait())
+                        await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                        waiter.cancel()
+                elif s.running or s.finals:
                     yield self._step(s)  # resumes once grpc has taken the message
         finally:
             reader.cancel()

@@ -112,6 +112,12 @@ class FrontendConfig:
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     workers: int = 1  # gateway processes sharing the port, each with its own engine streams
+    # Engine messages in flight unread on each engine stream; the engine merges the steps that
+    # come while it is full (the contract's FlowControl). 0: no window. Small on purpose: a
+    # gateway that keeps up reports every message and never fills it; one that falls behind gets
+    # the steps merged after two messages instead of a queue of one-step messages
+    # (benchmarks/results/gateway_relay_cpu.md: 2 against 4, 16 and none).
+    engine_window: int = 2
     tool_call_parser: str | None = None  # how model output becomes tool calls (tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser reads
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" unless asked not to
@@ -126,6 +132,8 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("--workers must be >= 1")
+        if not 0 <= self.engine_window <= 65536:
+            raise ValueError("--engine-window must be between 0 and 65536")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
             raise ValueError(
                 f"--tool-call-parser {self.tool_call_parser!r} is not one of "
@@ -297,6 +305,15 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
     _option(
         p,
         env,
+        "--engine-window",
+        d.engine_window,
+        "engine messages each engine stream may have in flight unread; the engine merges the "
+        "steps that come while it is full into one message (0: no window)",
+        type=int,
+    )
+    _option(
+        p,
+        env,
         "--tool-call-parser",
         None,
         "format of the model's tool calls, read back into tool_calls for tool_choice 'auto' "
@@ -370,6 +387,7 @@ def config_from_args(
             routing=routing,
             limits=limits,
             workers=args.workers,
+            engine_window=args.engine_window,
             tool_call_parser=args.tool_call_parser or None,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,

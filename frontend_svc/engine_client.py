@@ -3,12 +3,14 @@
 One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
 request gets its own :class:`~frontend_svc.output_collector.OutputCollector`; the engine's
 per-step ``EngineCoreOutputs`` are split by request id into those collectors (a consumer that
-falls behind takes several steps' outputs merged into one). A consumer that goes away (its
-generator is closed) makes the client send an abort. A pooling request (``pooling_params``) is
-answered by one final output whose ``pooled`` holds its vector. When the stream breaks, every
-in-flight request gets an :class:`EngineUnavailableError` at once and the client reconnects
-with exponential backoff, fetching model info and the tokenizer again before it reports itself
-connected.
+falls behind takes several steps' outputs merged into one). The stream has a window
+(``FlowControl``): at most ``window`` engine messages in flight unread, progress reported every
+half window; an engine that outpaces this reader merges its steps instead of queueing them. A
+consumer that goes away (its generator is closed) makes the client send an abort. A pooling
+request (``pooling_params``) is answered by one final output whose ``pooled`` holds its vector.
+When the stream breaks, every in-flight request gets an :class:`EngineUnavailableError` at once
+and the client reconnects with exponential backoff, fetching model info and the tokenizer again
+before it reports itself connected.
 
 Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
 drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
@@ -124,8 +126,10 @@ class EngineClient:
         server_name: str | None = None,
         on_disconnect: Callable[[], None] | None = None,
         on_step: OnStep | None = None,
+        window: int = 2,
     ) -> None:
         self.address = address
+        self._window = window  # engine messages in flight unread; 0: no window
         self._credentials = credentials
         self._server_name = server_name
         self._backoff = backoff or BackoffConfig()
@@ -358,6 +362,9 @@ class EngineClient:
             if self._on_connect is not None:
                 accepted = True
                 await self._on_connect(info, files)
+            if self._window:
+                flow = pb.FlowControl(window=self._window)
+                outbox.put_nowait(pb.EngineCoreRequest(flow=flow))
             call = stub.Stream(_drain(outbox))
             await call.wait_for_connection()
             health = HealthFollower(
@@ -373,9 +380,18 @@ class EngineClient:
             connected = True
             logger.info("connected to engine %s (%s)", self.address, info.served_model_name)
             watcher = asyncio.create_task(health.follow(), name="engine-health")
+            # Progress is reported every half window, so an engine this reader keeps up with
+            # always has room; one that outpaces it merges its steps instead of queueing them.
+            report_every = max(1, self._window // 2)
+            read, report_at = 0, report_every
             try:
                 async for message in call:
                     self._dispatch(message)
+                    read += 1
+                    if read == report_at and self._window:
+                        report_at += report_every
+                        flow = pb.FlowControl(messages_read=read)
+                        outbox.put_nowait(pb.EngineCoreRequest(flow=flow))
                 self.last_error = "the engine closed the stream"
             except grpc.aio.AioRpcError as e:
                 self.last_error = f"{e.code().name}: {e.details()}"

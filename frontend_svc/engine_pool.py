@@ -477,6 +477,7 @@ class EnginePool:
             address,
             backoff=self.config.backoff,
             rpc_timeout_s=self.config.engine_rpc_timeout_s,
+            window=self.config.engine_window,
             on_connect=functools.partial(self._engine_connected, address),
             on_load=functools.partial(self._engine_load, address),
             on_disconnect=functools.partial(self._engine_disconnected, address),

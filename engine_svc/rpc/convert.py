@@ -11,7 +11,7 @@ from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
-from engine_svc.engine_loop import LoadFigures
+from engine_svc.engine_loop import LoadFigures, QueueFull, Unavailable
 from engine_svc.lora.errors import LoRACapacityError, LoRANotFoundError
 from engine_svc.lora.registry import LoRAInfo
 from protos.tandem.engine.v1 import engine_pb2 as pb
@@ -186,6 +186,10 @@ def model_info_to_pb(info: ModelInfo, model_source: str, version: str) -> pb.Get
 
 
 def error_code(e: Exception) -> int:
+    if isinstance(e, QueueFull):
+        return int(pb.ERROR_CODE_RESOURCE_EXHAUSTED)
+    if isinstance(e, Unavailable):
+        return int(pb.ERROR_CODE_UNAVAILABLE)
     if isinstance(e, ContextLengthError):
         return int(pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED)
     if isinstance(e, DuplicateRequestError):

@@ -33,6 +33,7 @@ from engine_svc.lora.errors import LoRAError
 from engine_svc.rpc import convert
 from engine_svc.rpc.handlers import Malformed
 from engine_svc.rpc.lora_rpcs import LoRARpcs, lora_status
+from engine_svc.rpc.stream_outbox import StreamOutbox
 from engine_svc.rpc.utility_rpcs import UtilityRpcs
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -86,10 +87,15 @@ class InFlight:
         return len(self._count)
 
 
-# What a Stream's inbox carries: an engine step's batch for this client, a message built here
-# with the request ids that end in it (a refused request), a _Close, or None when the client
-# half-closed.
-_StreamItem = ClientBatch | tuple[pb.EngineCoreOutputs, list[str]] | _Close | None
+class _Wake:
+    """The client reported progress: its window may have room again."""
+
+
+_WAKE = _Wake()
+
+# What a Stream's inbox carries: an engine step's batch for this client (or a refused request's
+# error, built here), a _Close, _WAKE, or None when the client half-closed.
+_StreamItem = ClientBatch | _Close | _Wake | None
 
 
 class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
@@ -159,6 +165,8 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
         # before its final output reaches this queue, so a half-closed stream could end first
         # and lose that output.)
         in_flight = InFlight()
+        # Steps not sent yet, merged, and the client's window (see stream_outbox).
+        outbox = StreamOutbox()
 
         async def read() -> None:
             try:
@@ -171,11 +179,15 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                         try:
                             self._submit(client, msg.add)
                         except (ValueError, QueueFull, Unavailable) as e:
-                            inbox.put_nowait((_error_msg(msg.add.request_id, e, self.loop), []))
-                        else:
-                            in_flight.add(msg.add.request_id)
+                            refused: list[tuple[str, Exception]] = [(msg.add.request_id, e)]
+                            inbox.put_nowait(ClientBatch(errors=refused, load=self.loop.load))
+                        # Counted when refused too: its error ends it, like any other's.
+                        in_flight.add(msg.add.request_id)
                     elif kind == "abort":
                         self.loop.abort(client, list(msg.abort.request_ids))
+                    elif kind == "flow":
+                        outbox.flow(msg.flow.window, msg.flow.messages_read)
+                        inbox.put_nowait(_WAKE)
             finally:
                 inbox.put_nowait(None)
 
@@ -183,28 +195,37 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
         half_closed = False
         try:
             while True:
-                # A client that half-closed gets everything it has in flight, then the end.
-                if half_closed and not in_flight and inbox.empty():
-                    break
+                # Everything queued is taken (and merged) before a message is sent.
+                if inbox.empty():
+                    if outbox.ready():
+                        batch = outbox.take()
+                        # The ids that end here travel with the message, so this handler
+                        # counts them itself (see ``in_flight`` above).
+                        in_flight.end([o.request_id for o in batch.outputs if o.finished])
+                        in_flight.end([rid for rid, _ in batch.errors])
+                        yield _batch_to_pb(batch)
+                        continue
+                    # A client that half-closed gets everything it has in flight, then the end.
+                    if half_closed and not in_flight and outbox.empty:
+                        break
                 item = await inbox.get()
-                if item is None:
+                if isinstance(item, ClientBatch):
+                    outbox.add(item)
+                elif item is None:
                     half_closed = True
-                    continue
-                if isinstance(item, _Close):
+                    outbox.flow(window=0, messages_read=0, closed=True)  # no progress can come
+                elif isinstance(item, _Close):
                     if item.code is grpc.StatusCode.INVALID_ARGUMENT:
                         logger.warning("stream %s: %s; closing it", client, item.details)
+                    else:  # the engine stops: what it holds for the client goes out first
+                        while not inbox.empty():
+                            if isinstance(queued := inbox.get_nowait(), ClientBatch):
+                                outbox.add(queued)
+                        outbox.flow(window=0, messages_read=0, closed=True)
+                        while not outbox.empty:
+                            yield _batch_to_pb(outbox.take())
                     await context.abort(item.code, item.details)
                     return  # abort() raises; this only tells type checkers
-                if isinstance(item, ClientBatch):
-                    # The ids that end here travel with the message, so this handler counts
-                    # them itself (see ``in_flight`` above).
-                    message = _batch_to_pb(item)
-                    in_flight.end([o.request_id for o in item.outputs if o.finished])
-                    in_flight.end([rid for rid, _ in item.errors])
-                else:
-                    message, ended = item
-                    in_flight.end(ended)
-                yield message
         finally:
             self._open_calls.discard(inbox)
             reader.cancel()
@@ -328,18 +349,4 @@ def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:
     )
     if batch.load is not None:
         msg.load.CopyFrom(convert.load_to_pb(batch.load))
-    return msg
-
-
-def _error_msg(request_id: str, e: Exception, loop: EngineLoop) -> pb.EngineCoreOutputs:
-    if isinstance(e, QueueFull):
-        code = pb.ERROR_CODE_RESOURCE_EXHAUSTED
-    elif isinstance(e, Unavailable):
-        code = pb.ERROR_CODE_UNAVAILABLE
-    else:
-        code = convert.error_code(e)  # type: ignore[assignment]
-    msg = pb.EngineCoreOutputs(
-        errors=[pb.RequestError(request_id=request_id, code=code, message=str(e))]
-    )
-    msg.load.CopyFrom(convert.load_to_pb(loop.load))
     return msg

@@ -180,6 +180,7 @@ class FakeEngine:
         self.add_messages: dict[str, pb.AddRequest] = {}  # every admitted request, as sent
         self.aborted: list[str] = []
         self.abort_requests: list[str] = []  # every id a Stream asked to abort, running or not
+        self.flow: list[tuple[int, int]] = []  # every FlowControl (window, messages_read) received
         self._seen_prompts: list[tuple[str | int, ...]] = []
         self._queries = 0
         self._hits = 0
@@ -484,6 +485,8 @@ class _Servicer(pb_grpc.EngineServicer):
                     rid = engine.add(message.add, sink)
                     if rid is not None:
                         owned.add(rid)
+                elif kind == "flow":
+                    engine.flow.append((message.flow.window, message.flow.messages_read))
                 elif kind == "abort":
                     engine.abort_requests.extend(message.abort.request_ids)
                     engine.abort(list(message.abort.request_ids))

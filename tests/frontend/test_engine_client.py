@@ -97,3 +97,31 @@ def test_a_consumer_that_falls_behind_gets_the_steps_merged(engine: FakeEngine) 
         await client.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("window", [4, 0])
+def test_the_stream_window_is_sent_and_progress_reported_every_half_window(
+    engine: FakeEngine, window: int
+) -> None:
+    """The client's FlowControl: its window first, then its count of messages read every
+    window/2 messages (so an engine it keeps up with never runs out of room); none with 0."""
+
+    engine.flow.clear()
+
+    async def scenario() -> None:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2), window=window)
+        client.start()
+        assert await client.wait_connected(5)
+        assert len(await _collect(client, request("w", max_tokens=12))) == 12
+        await asyncio.sleep(0.1)  # the last report, if any, is in by now
+        await client.close()
+
+    asyncio.run(scenario())
+    if not window:
+        assert engine.flow == []
+        return
+    assert engine.flow[0] == (window, 0)
+    reads = [read for w, read in engine.flow[1:]]
+    assert all(w == 0 for w, _ in engine.flow[1:])
+    assert len(reads) >= 12 // (window // 2)  # one message per token at least
+    assert reads == list(range(window // 2, window // 2 * len(reads) + 1, window // 2))

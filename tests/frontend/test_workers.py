@@ -84,6 +84,7 @@ def test_workers_get_the_config_the_supervisor_parsed() -> None:
         routing=RoutingConfig(1.5, 0, 2),
         limits=LimitsConfig(1, 2, 3),
         workers=4,
+        engine_window=3,
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
         return_tokens_as_token_ids=True,

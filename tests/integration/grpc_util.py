@@ -52,6 +52,10 @@ class StreamSession:
     def abort(self, *request_ids: str) -> None:
         self._outbox.put(pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=request_ids)))
 
+    def flow(self, window: int = 0, messages_read: int = 0) -> None:
+        flow = pb.FlowControl(window=window, messages_read=messages_read)
+        self._outbox.put(pb.EngineCoreRequest(flow=flow))
+
     def half_close(self) -> None:
         self._outbox.put(None)
 

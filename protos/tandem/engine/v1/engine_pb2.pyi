@@ -170,12 +170,22 @@ class AbortResponse(_message.Message):
     def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
 
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("add", "abort")
+    __slots__ = ("add", "abort", "flow")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
     add: AddRequest
     abort: AbortRequest
-    def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+    flow: FlowControl
+    def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., flow: _Optional[_Union[FlowControl, _Mapping]] = ...) -> None: ...
+
+class FlowControl(_message.Message):
+    __slots__ = ("window", "messages_read")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_READ_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    messages_read: int
+    def __init__(self, window: _Optional[int] = ..., messages_read: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "top_logprobs")

@@ -123,11 +123,18 @@ class EngineServicer:
     def Stream(self, request_iterator, context):
         """The gateway path: one long-lived bidirectional stream per client connection.
 
-        The client writes EngineCoreRequest messages: `add` starts a request, `abort` stops requests.
-        The engine writes one EngineCoreOutputs per engine step in which this stream has something to
-        report (new tokens, finished requests, per-request errors); it may also send messages that
-        carry only `load` figures. Requests are independent: an invalid or rejected request is
-        answered with a RequestError for that request id and the stream carries on.
+        The client writes EngineCoreRequest messages: `add` starts a request, `abort` stops requests,
+        `flow` sets a window and reports how many messages it has read. The engine writes one
+        EngineCoreOutputs per engine step in which this stream has something to report (new tokens,
+        finished requests, per-request errors); it may also send messages that carry only `load`
+        figures. Requests are independent: an invalid or rejected request is answered with a
+        RequestError for that request id and the stream carries on.
+
+        Steps whose message cannot be sent at once are merged: while the previous message is still
+        being written, or while the client's window (FlowControl) is full, the engine holds the
+        steps that follow and sends them as one EngineCoreOutputs (a request's tokens in order, see
+        EngineCoreOutputs). A client that reads slower than the engine steps therefore receives
+        fewer, larger messages instead of a growing backlog.
 
         Closing the stream by cancelling it aborts every request the stream added that has not
         finished yet. A client that half-closes still receives the outputs of its requests in flight

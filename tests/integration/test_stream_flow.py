@@ -1,0 +1,190 @@
+"""The Stream's flow control against the real engine: with a window, the engine holds the steps
+a client has not made room for and sends them merged, a request's tokens in order; the tokens a
+client receives are the same with or without a window."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
+from tests.integration.grpc_util import StreamSession, add_request, generate, tokens_of
+from tests.integration.inprocess import InProcessEngine, tiny_core
+
+pytestmark = pytest.mark.timeout(90)
+PROMPT = [300, 301, 302, 303, 304]
+_END = object()
+
+
+class Reader:
+    """Reads a Stream on a thread, so a test can wait for a message with a timeout."""
+
+    def __init__(self, session: StreamSession) -> None:
+        self.messages: queue.Queue[object] = queue.Queue()
+        self.error: grpc.RpcError | None = None  # how the stream ended, if not with OK
+        self._thread = threading.Thread(target=self._run, args=(session,), daemon=True)
+        self._thread.start()
+
+    def _run(self, session: StreamSession) -> None:
+        try:
+            for message in session:
+                self.messages.put(message)
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.messages.put(_END)
+
+    def rest(self, timeout: float = 30.0) -> list[pb.EngineCoreOutputs]:
+        """Every message until the stream ends."""
+        out = []
+        while (item := self.messages.get(timeout=timeout)) is not _END:
+            assert isinstance(item, pb.EngineCoreOutputs)
+            out.append(item)
+        return out
+
+    def next(self, timeout: float = 30.0) -> pb.EngineCoreOutputs:
+        item = self.messages.get(timeout=timeout)
+        assert isinstance(item, pb.EngineCoreOutputs), "the stream ended"
+        return item
+
+    def ended(self, timeout: float = 30.0) -> bool:
+        return self.messages.get(timeout=timeout) is _END
+
+
+@pytest.fixture()
+def stub(channel: grpc.Channel) -> pb_grpc.EngineStub:
+    return pb_grpc.EngineStub(channel)
+
+
+def _tokens(messages: list[pb.EngineCoreOutputs], rid: str) -> list[int]:
+    return [t for m in messages for o in m.outputs if o.request_id == rid for t in o.new_token_ids]
+
+
+def _one_request_under_a_window_of_one(
+    stub: pb_grpc.EngineStub, rid: str, max_tokens: int
+) -> tuple[list[int], StreamSession, Reader]:
+    """The tokens Generate gives for the prompt, and a Stream with window 1 carrying ``rid``."""
+    expected = tokens_of(generate(stub, add_request(f"{rid}-ref", PROMPT, max_tokens)))
+    session = StreamSession(stub)
+    session.flow(window=1)
+    session.add(add_request(rid, PROMPT, max_tokens))
+    return expected, session, Reader(session)
+
+
+def test_a_full_window_holds_the_steps_and_sends_them_merged(stub: pb_grpc.EngineStub) -> None:
+    expected, session, reader = _one_request_under_a_window_of_one(stub, "flow-1", 24)
+    messages = [reader.next()]
+    with pytest.raises(queue.Empty):  # one message unread: the engine sends nothing more
+        reader.next(timeout=0.5)
+    session.flow(messages_read=1)
+    messages.append(reader.next())
+    # The steps of the half second the window was full came as one message.
+    assert len(messages[1].outputs) == 1 and len(messages[1].outputs[0].new_token_ids) > 1
+    while not messages[-1].outputs[-1].finish_reason:
+        session.flow(messages_read=len(messages))
+        messages.append(reader.next())
+    assert _tokens(messages, "flow-1") == expected
+    last = messages[-1].outputs[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.num_prompt_tokens == len(PROMPT)
+    assert last.HasField("decode_time_s") and messages[-1].HasField("load")
+    session.half_close()
+    assert reader.ended()
+
+
+def test_a_half_closed_stream_gets_its_held_steps_without_a_window(
+    stub: pb_grpc.EngineStub,
+) -> None:
+    """A client that half-closes can report no more progress: the engine drops its window and
+    sends what it holds, then ends the stream (it must not wait forever)."""
+    expected, session, reader = _one_request_under_a_window_of_one(stub, "flow-hc", 16)
+    messages = [reader.next()]
+    session.half_close()
+    messages += reader.rest()
+    assert reader.error is None
+    assert _tokens(messages, "flow-hc") == expected
+    assert messages[-1].outputs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_many_requests_under_a_window_of_one(stub: pb_grpc.EngineStub) -> None:
+    """Every request's tokens arrive whole and in order; no message has an id twice."""
+    lengths = {f"flow-m{i}": 4 + 5 * i for i in range(5)}
+    prompts = {rid: [300 + i, 301, 302 + i] for i, rid in enumerate(lengths)}
+    expected = {
+        rid: tokens_of(generate(stub, add_request(f"{rid}-ref", prompts[rid], n)))
+        for rid, n in lengths.items()
+    }
+    session = StreamSession(stub)
+    session.flow(window=1)
+    for rid, n in lengths.items():
+        session.add(add_request(rid, prompts[rid], n))
+    reader = Reader(session)
+    messages: list[pb.EngineCoreOutputs] = []
+    finished: set[str] = set()
+    while finished != set(lengths):
+        message = reader.next()
+        messages.append(message)
+        ids = [o.request_id for o in message.outputs]
+        assert len(ids) == len(set(ids)), ids
+        assert not finished & set(ids), "an output after its request finished"
+        finished |= {o.request_id for o in message.outputs if o.finish_reason}
+        session.flow(messages_read=len(messages))
+    assert {rid: _tokens(messages, rid) for rid in lengths} == expected
+    session.half_close()
+    assert reader.ended()
+
+
+def test_a_refused_duplicate_id_does_not_end_the_running_request(
+    stub: pb_grpc.EngineStub,
+) -> None:
+    """The refusal of an id already running is that id's error; the running request still
+    delivers every token, and a half-closed stream waits for it."""
+    expected = tokens_of(generate(stub, add_request("flow-dup-ref", PROMPT, 16)))
+    session = StreamSession(stub)
+    session.flow(window=1)
+    session.add(add_request("flow-dup", PROMPT, 16))
+    session.add(add_request("flow-dup", PROMPT, 16))
+    session.half_close()
+    reader = Reader(session)
+    messages = reader.rest()
+    assert reader.error is None
+    errors = [e for m in messages for e in m.errors]
+    assert [(e.request_id, e.code) for e in errors] == [
+        ("flow-dup", pb.ERROR_CODE_DUPLICATE_REQUEST_ID)
+    ]
+    assert _tokens(messages, "flow-dup") == expected
+    assert messages[-1].outputs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_an_engine_that_stops_sends_what_it_holds_before_unavailable(
+    tiny_models: dict[str, Path],
+) -> None:
+    """Shutdown with a client's window full: the held tokens and the request's ABORT reach it
+    before the stream ends UNAVAILABLE (they were dropped when the stop closed the stream)."""
+    server = InProcessEngine(lambda: tiny_core(tiny_models["llama"]), shutdown_timeout_s=0.3)
+    server.start()
+    stopper = threading.Thread(target=server.stop)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            session = StreamSession(pb_grpc.EngineStub(channel))
+            session.flow(window=1)
+            session.add(add_request("flow-stop", PROMPT, 200))
+            reader = Reader(session)
+            messages = [reader.next()]  # the window is full from here on: no report is sent
+            stopper.start()
+            messages += reader.rest()
+            assert reader.error is not None
+            assert reader.error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            # The request's last output came (ABORT at the drain timeout, or LENGTH on a fast
+            # machine), with the steps held behind the full window.
+            last = [o for m in messages for o in m.outputs][-1]
+            assert last.finish_reason in (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_LENGTH)
+            assert len(messages) >= 2 and len(_tokens(messages, "flow-stop")) > 1
+    finally:
+        if stopper.ident is None:
+            server.stop()
+        stopper.join(30)
