@@ -213,7 +213,7 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                     outbox.add(item)
                 elif item is None:
                     half_closed = True
-                    outbox.flow(window=0, messages_read=0, closed=True)  # no progress can come
+                    outbox.drop_window()  # no progress can come
                 elif isinstance(item, _Close):
                     if item.code is grpc.StatusCode.INVALID_ARGUMENT:
                         logger.warning("stream %s: %s; closing it", client, item.details)
@@ -221,7 +221,7 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                         while not inbox.empty():
                             if isinstance(queued := inbox.get_nowait(), ClientBatch):
                                 outbox.add(queued)
-                        outbox.flow(window=0, messages_read=0, closed=True)
+                        outbox.drop_window()
                         while not outbox.empty:
                             yield _batch_to_pb(outbox.take())
                     await context.abort(item.code, item.details)

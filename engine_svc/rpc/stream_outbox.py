@@ -109,15 +109,17 @@ class StreamOutbox:
         else:
             self._pending.append(_Merged(batch))
 
-    def flow(self, window: int, messages_read: int, closed: bool = False) -> None:
+    def flow(self, window: int, messages_read: int) -> None:
         """The client's FlowControl: a window of 0 keeps the one set; counts only grow, up to
-        the messages sent. ``closed``: the client half-closed and can report no more progress,
-        so the window is dropped (what is held goes out as gRPC takes it)."""
-        if closed:
-            self.window = 0
-        elif window:
+        the messages sent."""
+        if window:
             self.window = window
         self.read = max(self.read, min(messages_read, self.sent))
+
+    def drop_window(self) -> None:
+        """The client half-closed (it can report no more progress) or the stream is ending:
+        what is held goes out as gRPC takes it."""
+        self.window = 0
 
     @property
     def empty(self) -> bool:

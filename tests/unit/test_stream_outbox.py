@@ -119,5 +119,5 @@ def test_half_closing_drops_the_window() -> None:
     box.take()
     box.add(ClientBatch([out("a", 2)]))
     assert not box.ready()
-    box.flow(window=0, messages_read=0, closed=True)
+    box.drop_window()
     assert box.ready() and box.take().outputs[0].new_token_ids == [2]
