@@ -149,17 +149,20 @@ def test_sleep_waits_for_the_running_request(channel: grpc.Channel) -> None:
 
 def test_wake_up_cancels_a_pending_sleep(channel: grpc.Channel) -> None:
     stub = pb_grpc.EngineStub(channel)
+    # The sleep waits for this request: as long as the model allows (16 + 1000 of 1024), so
+    # it is still running when WakeUp comes (300 tokens took under 0.2 s on a fast machine).
     responses = stub.Generate(
-        pb.GenerateRequest(request=add_request("long2", PROMPT, 300)), timeout=60
+        pb.GenerateRequest(request=add_request("long2", PROMPT, 1000)), timeout=60
     )
     next(responses)
     sleep_call = stub.Sleep.future(pb.SleepRequest(level=2), timeout=60)
     time.sleep(0.2)
+    assert not sleep_call.done(), "the request finished before WakeUp: make it longer"
     stub.WakeUp(pb.WakeUpRequest(), timeout=30)
     with pytest.raises(grpc.RpcError) as info:
         sleep_call.result()
     assert info.value.code() == grpc.StatusCode.ABORTED  # type: ignore[attr-defined]
-    assert len(tokens_of(list(responses))) == 299  # the request ran on
+    assert len(tokens_of(list(responses))) == 999  # the request ran on
     assert not stub.IsSleeping(pb.IsSleepingRequest()).is_sleeping
     assert len(_greedy(stub, "served")) == 12
 
