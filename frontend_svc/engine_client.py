@@ -4,8 +4,9 @@ One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream
 request gets its own :class:`~frontend_svc.output_collector.OutputCollector`; the engine's
 per-step ``EngineCoreOutputs`` are split by request id into those collectors (a consumer that
 falls behind takes several steps' outputs merged into one). The stream has a window
-(``FlowControl``): at most ``window`` engine messages in flight unread, progress reported every
-half window; an engine that outpaces this reader merges its steps instead of queueing them. A
+(``FlowControl``): at most ``window`` engine messages in flight unread, progress reported each
+time a window's worth has been read; an engine that outpaces this reader merges its steps instead
+of queueing them. A
 consumer that goes away (its generator is closed) makes the client send an abort. A pooling
 request (``pooling_params``) is answered by one final output whose ``pooled`` holds its vector.
 When the stream breaks, every in-flight request gets an :class:`EngineUnavailableError` at once
@@ -380,9 +381,12 @@ class EngineClient:
             connected = True
             logger.info("connected to engine %s (%s)", self.address, info.served_model_name)
             watcher = asyncio.create_task(health.follow(), name="engine-health")
-            # Progress is reported every half window, so an engine this reader keeps up with
-            # always has room; one that outpaces it merges its steps instead of queueing them.
-            report_every = max(1, self._window // 2)
+            # Progress is reported each time a whole window has been read, which gives the
+            # engine a window's room at once: one report per W messages. (Reporting every W/2
+            # kept it from ever waiting on a report, but the reports' gRPC writes cost more
+            # than that saved: benchmarks/results/gateway_relay_cpu.md.) An engine that
+            # outpaces this reader merges its steps instead of queueing them.
+            report_every = max(1, self._window)
             read, report_at = 0, report_every
             try:
                 async for message in call:

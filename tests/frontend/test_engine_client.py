@@ -100,11 +100,11 @@ def test_a_consumer_that_falls_behind_gets_the_steps_merged(engine: FakeEngine) 
 
 
 @pytest.mark.parametrize("window", [4, 0])
-def test_the_stream_window_is_sent_and_progress_reported_every_half_window(
+def test_the_stream_window_is_sent_and_progress_reported_every_window(
     engine: FakeEngine, window: int
 ) -> None:
-    """The client's FlowControl: its window first, then its count of messages read every
-    window/2 messages (so an engine it keeps up with never runs out of room); none with 0."""
+    """The client's FlowControl: its window first, then its count of messages read each time a
+    window's worth has been read (the engine then has a whole window of room); none with 0."""
 
     engine.flow.clear()
 
@@ -123,5 +123,5 @@ def test_the_stream_window_is_sent_and_progress_reported_every_half_window(
     assert engine.flow[0] == (window, 0)
     reads = [read for w, read in engine.flow[1:]]
     assert all(w == 0 for w, _ in engine.flow[1:])
-    assert len(reads) >= 12 // (window // 2)  # one message per token at least
-    assert reads == list(range(window // 2, window // 2 * len(reads) + 1, window // 2))
+    assert len(reads) >= 12 // window  # one message per token at least
+    assert reads == list(range(window, window * len(reads) + 1, window))
