@@ -193,10 +193,11 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
 
         reader = asyncio.create_task(read())
         half_closed = False
+        stopping: _Close | None = None  # the engine stops: send what is held, then this
         try:
             while True:
                 # Everything queued is taken (and merged) before a message is sent.
-                if inbox.empty():
+                if inbox.empty() or stopping is not None:
                     if outbox.ready():
                         batch = outbox.take()
                         # The ids that end here travel with the message, so this handler
@@ -205,6 +206,9 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                         in_flight.end([rid for rid, _ in batch.errors])
                         yield _batch_to_pb(batch)
                         continue
+                    if stopping is not None:
+                        await context.abort(stopping.code, stopping.details)
+                        return  # abort() raises; this only tells type checkers
                     # A client that half-closed gets everything it has in flight, then the end.
                     if half_closed and not in_flight and outbox.empty:
                         break
@@ -217,15 +221,15 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                 elif isinstance(item, _Close):
                     if item.code is grpc.StatusCode.INVALID_ARGUMENT:
                         logger.warning("stream %s: %s; closing it", client, item.details)
-                    else:  # the engine stops: what it holds for the client goes out first
-                        while not inbox.empty():
-                            if isinstance(queued := inbox.get_nowait(), ClientBatch):
-                                outbox.add(queued)
-                        outbox.drop_window()
-                        while not outbox.empty:
-                            yield _batch_to_pb(outbox.take())
-                    await context.abort(item.code, item.details)
-                    return  # abort() raises; this only tells type checkers
+                        await context.abort(item.code, item.details)
+                        return  # abort() raises; this only tells type checkers
+                    # The engine stops: what is queued and held for the client goes out first,
+                    # as gRPC takes it (no progress is waited for), then the stream ends.
+                    while not inbox.empty():
+                        if isinstance(queued := inbox.get_nowait(), ClientBatch):
+                            outbox.add(queued)
+                    outbox.drop_window()
+                    stopping = item
         finally:
             self._open_calls.discard(inbox)
             reader.cancel()
