@@ -126,6 +126,12 @@ class _Call:
     future: concurrent.futures.Future[Any]
 
 
+def _internal_id(client: str, request_id: str) -> str:
+    """The engine's id for a client's request: ids are the client's own, so two clients may
+    use the same one."""
+    return f"{client}/{request_id}"
+
+
 class EngineLoop:
     """Owns the loop thread. ``stall_timeout_s``: how long the loop may go without finishing a
     step (or an idle wait) before it counts as stalled: health NOT_SERVING, new work refused."""
@@ -222,7 +228,7 @@ class EngineLoop:
         reason = self.unavailable_reason()
         if reason is not None:
             raise Unavailable(reason)
-        internal = f"{client}/{request_id}"
+        internal = _internal_id(client, request_id)
         with self._lock:
             if self.sleeping or self._sleep_pending:  # checked again under the lock: see sleep()
                 raise Asleep("the engine is asleep or going to sleep (Sleep); WakeUp wakes it")
@@ -294,12 +300,13 @@ class EngineLoop:
     def abort(self, client: str | None, request_ids: list[str]) -> int:
         """Abort by the client's ids (client None: match the id under any client)."""
         with self._lock:
-            wanted = set(request_ids)
-            hits = [
-                i
-                for i, (c, r) in self._owner.items()
-                if r in wanted and (client is None or c == client)
-            ]
+            if client is not None:  # a Stream's abort: its internal ids, looked up directly
+                hits = [
+                    i for r in set(request_ids) if (i := _internal_id(client, r)) in self._owner
+                ]
+            else:  # the unary Abort rpc (rare): any client's request with that id
+                wanted = set(request_ids)
+                hits = [i for i, (_, r) in self._owner.items() if r in wanted]
         if hits:
             self._inbox.put(_Abort(hits))
         return len(hits)
@@ -381,7 +388,7 @@ class EngineLoop:
         self._deliver(batches)
 
     def _add(self, item: _Add, batches: dict[str, ClientBatch]) -> None:
-        internal = f"{item.client}/{item.request_id}"
+        internal = _internal_id(item.client, item.request_id)
         with self._lock:
             self._pending_adds -= 1
             if internal not in self._owner:  # aborted before it reached the engine

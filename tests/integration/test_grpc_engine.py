@@ -70,6 +70,28 @@ def test_stream_many_requests_and_abort(stub: pb_grpc.EngineStub) -> None:
     assert 0 < len(tokens["long"]) < 1900
 
 
+def test_a_stream_aborts_only_its_own_request_of_a_shared_id(stub: pb_grpc.EngineStub) -> None:
+    """Request ids are each client's own: two Streams may use the same one, and one Stream's
+    abort of it leaves the other's running."""
+    mine, theirs = StreamSession(stub), StreamSession(stub)
+    theirs.add(add_request("shared", PROMPT, 40))
+    mine.add(add_request("shared", PROMPT, 1900))
+    finish: dict[str, int] = {}
+    for message in mine:  # from its first token on, abort it
+        if not finish and any(o.new_token_ids for o in message.outputs):
+            mine.abort("shared")
+            finish["abort sent"] = 0
+        for out in message.outputs:
+            if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                finish["mine"] = out.finish_reason
+                mine.half_close()
+    theirs.half_close()
+    outs = [o for m in theirs for o in m.outputs]
+    assert finish["mine"] == pb.FINISH_REASON_ABORT
+    assert sum(len(o.new_token_ids) for o in outs) == 40
+    assert outs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_stream_half_close_finishes_in_flight(stub: pb_grpc.EngineStub) -> None:
     session = StreamSession(stub)
     session.add(add_request("a", PROMPT, 5))
