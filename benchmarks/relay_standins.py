@@ -124,6 +124,14 @@ class _ClientStream:
         return self.window > 0 and self.sent - self.read >= self.window
 
 
+async def _woken_or_closed(s: _ClientStream, reader: asyncio.Task[None]) -> None:
+    """Wait until the stream is woken (an add, an abort, progress) or its client half-closes."""
+    s.wake.clear()
+    waiter = asyncio.ensure_future(s.wake.wait())
+    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+
+
 class StandInEngine:
     """Engine service handlers; Stream messages are pre-encoded bytes (identity serializer)."""
 
@@ -237,29 +245,35 @@ class StandInEngine:
                 s.finals.append(_len_field(1, out.SerializeToString()))
                 s.wake.set()
 
-    def _hold(self, s: _ClientStream) -> None:
-        """A step while the client's window is full: its tokens wait, merged, for room."""
-        finished = []
-        tokens = len(s.running)
+    def _advance(self, s: _ClientStream) -> list[tuple[_Request, bool]]:
+        """One engine step for stream ``s``: a token for each running request; returns each
+        request with whether it just finished (those leave ``running``)."""
+        step = s.steps
+        advanced = []
         for r in s.running.values():
             if r.first_step < 0:
-                r.first_step = s.steps
+                r.first_step = step
                 if self.record:
-                    self.first_steps[r.request_id] = (s.number, s.steps)
+                    self.first_steps[r.request_id] = (s.number, step)
             r.remaining -= 1
-            r.held += 1
-            s.held[r.request_id] = r
-            if not r.remaining:
-                finished.append(r.request_id)
-        for rid in finished:
-            del s.running[rid]
-        self.outputs += tokens
+            advanced.append((r, not r.remaining))
+        for r, finished in advanced:
+            if finished:
+                del s.running[r.request_id]
+        s.steps += 1
+        self.outputs += len(advanced)
+        if self.progress is not None:
+            self.progress.set(OUTPUTS, self.outputs)
+        return advanced
+
+    def _hold(self, s: _ClientStream) -> None:
+        """A step while the client's window is full: its tokens wait, merged, for room."""
         if self.record:
             s.held_steps.append(s.steps)
             s.step_times.append(math.nan)  # set when the held tokens are sent
-        s.steps += 1
-        if self.progress is not None:
-            self.progress.set(OUTPUTS, self.outputs)
+        for r, _ in self._advance(s):
+            r.held += 1
+            s.held[r.request_id] = r
 
     def _flush(self, s: _ClientStream) -> bytes:
         """One message with every held token (a request's in one entry) and the finals."""
@@ -295,28 +309,9 @@ class StandInEngine:
     def _step(self, s: _ClientStream) -> bytes:
         """One step for one stream: a token for each running request, as EngineCoreOutputs."""
         parts, s.finals = s.finals, []
-        step = s.steps
-        finished = []
-        tokens = len(s.running)
-        for r in s.running.values():
-            if r.first_step < 0:
-                r.first_step = step
-                if self.record:
-                    self.first_steps[r.request_id] = (s.number, step)
-            r.remaining -= 1
-            if r.remaining:
-                parts.append(r.entry)
-            else:
-                parts.append(r.last)
-                finished.append(r.request_id)
-        for rid in finished:
-            del s.running[rid]
-        s.steps += 1
+        parts += [r.last if finished else r.entry for r, finished in self._advance(s)]
         if self.record:
             s.step_times.append(time.monotonic())
-        self.outputs += tokens
-        if self.progress is not None:
-            self.progress.set(OUTPUTS, self.outputs)
         return self._message(s, parts)
 
     async def _read(self, s: _ClientStream, requests: AsyncIterator[Any]) -> None:
@@ -348,10 +343,7 @@ class StandInEngine:
                 if not s.running and not s.finals:
                     if reader.done() and not s.held:
                         return  # half-closed and nothing in flight: end the stream with OK
-                    s.wake.clear()
-                    waiter = asyncio.ensure_future(s.wake.wait())
-                    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
+                    await _woken_or_closed(s, reader)
                     next_t = time.monotonic()
                     continue
                 if self.step_s > 0:
@@ -382,10 +374,7 @@ class StandInEngine:
                     if s.running and paced_somehow:
                         self._hold(s)  # the engine steps on; its tokens wait, merged
                     else:  # only finals, or no model of the engine's pace: wait for room
-                        s.wake.clear()
-                        waiter = asyncio.ensure_future(s.wake.wait())
-                        await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                        waiter.cancel()
+                        await _woken_or_closed(s, reader)
                 elif s.running or s.finals:
                     yield self._step(s)  # resumes once grpc has taken the message
         finally:
