@@ -30,9 +30,10 @@ gateway, of the stand-in engine, reported per 1k tokens.
 
 Then the latency the gateway adds, below capacity: the stand-in engine is paced (``--step-ms``;
 default: C streams at ``--paced-fraction`` of the lower of the bare and gateway capacities
-measured at that C) and records when it sent each step; the client records when each chunk
-arrived. The gateway's chunk id is ``cmpl-<hex>`` and the engine's request id ``<that id>-0``, so
-every token's (client receive time - engine send time) is known: both are CLOCK_MONOTONIC.
+measured at that C) and records when it sent each step (a step held while the gateway's window
+was full: when it was taken, so the hold counts); the client records when each chunk arrived.
+The gateway's chunk id is ``cmpl-<hex>`` and the engine's request id ``<that id>-0``, so every
+token's (client receive time - engine send time) is known: both are CLOCK_MONOTONIC.
 That figure also holds what is not the gateway's: the HTTP writes of a step's events, one after
 the other, and the client reading them (on a 2-core machine, a few ms for 256 streams). So the
 bare app then runs on the same steps (``relay_standins.py bare --record``: every step gives each
@@ -265,7 +266,8 @@ def run_point(
 
 
 def added_latency(raw: dict[str, Any], engine_record: dict[str, Any]) -> dict[str, Any]:
-    """Per token: client receive time - engine send time, for tokens received in the window."""
+    """Per token: client receive time - engine step time (when sent, or when held: the hold
+    counts), for tokens received in the window."""
     steps = engine_record["step_times"]
     chunks_by_id = raw["records"]
     t0, t1 = raw["t0"], raw["t1"]
@@ -281,8 +283,8 @@ def added_latency(raw: dict[str, Any], engine_record: dict[str, Any]) -> dict[st
         for t, n in chunks:
             if t0 <= t < t1:
                 sent = steps[stream][k : k + n]
-                if any(x is None or math.isnan(x) for x in sent):  # held, never sent: misjoined
-                    raise RuntimeError(f"a token of {request_id} was received before it was sent")
+                if len(sent) < n:  # more tokens than the engine's steps: misjoined
+                    raise RuntimeError(f"a token of {request_id} was received before its step")
                 lat += [t - x for x in sent]
             k += n
     if not lat:

@@ -20,8 +20,9 @@
             held and sent as one message (each request's tokens in one entry) once it reports
             progress; half-closing drops the window.
             ``--step-ms X`` paces the steps (one every X ms per stream); ``--record PATH`` keeps
-            each step's send time (CLOCK_MONOTONIC) and each request's first step, written to
-            PATH on SIGUSR1.
+            each step's time (CLOCK_MONOTONIC: when it is sent, or for a step held while the
+            client's window was full, when it was taken, so the hold counts as latency) and
+            each request's first step, written to PATH on SIGUSR1.
 ``bare``    the floor: a minimal Starlette app under uvicorn whose streaming /v1/completions
             sends the gateway's completion chunks (same JSON shape) one token per event, then
             ``data: [DONE]``, as fast as it can or paced by ``--step-ms``; no engine behind it.
@@ -33,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import signal
 import struct
@@ -105,7 +105,7 @@ class _Request:
 
 @dataclass
 class _ClientStream:
-    """One client's Stream call: its running requests and the send time of each of its steps."""
+    """One client's Stream call: its running requests and the time of each of its steps."""
 
     number: int
     running: dict[str, _Request] = field(default_factory=dict)
@@ -118,7 +118,6 @@ class _ClientStream:
     read: int = 0
     sent: int = 0
     held: dict[str, _Request] = field(default_factory=dict)  # requests with held tokens
-    held_steps: list[int] = field(default_factory=list)  # steps held, their send time unknown
 
     def window_full(self) -> bool:
         return self.window > 0 and self.sent - self.read >= self.window
@@ -268,9 +267,8 @@ class StandInEngine:
 
     def _hold(self, s: _ClientStream) -> None:
         """A step while the client's window is full: its tokens wait, merged, for room."""
-        if self.record:
-            s.held_steps.append(s.steps)
-            s.step_times.append(math.nan)  # set when the held tokens are sent
+        if self.record:  # the step's time is now: the hold counts as latency
+            s.step_times.append(time.monotonic())
         for r, _ in self._advance(s):
             r.held += 1
             s.held[r.request_id] = r
@@ -289,11 +287,6 @@ class StandInEngine:
             parts.append(_len_field(1, out.SerializeToString()))
             r.held = 0
         s.held.clear()
-        if s.held_steps:
-            now = time.monotonic()
-            for step in s.held_steps:
-                s.step_times[step] = now
-            s.held_steps.clear()
         return self._message(s, parts)
 
     def _message(self, s: _ClientStream, parts: list[bytes]) -> bytes:

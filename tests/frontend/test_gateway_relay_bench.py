@@ -6,7 +6,10 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
@@ -97,6 +100,36 @@ def test_lead_bound_follows_what_the_client_received(tmp_path: Path) -> None:
     board.set(GENERATION, 8)  # a new client: what the last one left unreceived is forgotten
     board.set(RECEIVED, 0)
     assert not engine._ahead()
+
+
+def test_a_held_step_counts_its_hold_in_the_added_latency(tmp_path: Path) -> None:
+    """With the window full, steps are held and sent merged; each keeps the time it was taken,
+    so a token's added latency (receive - step time) includes the wait in the engine."""
+    from gateway_relay import added_latency  # type: ignore[import-not-found]
+
+    engine = StandInEngine(tmp_path, 42, 100, step_s=0.001, record=True)
+    s = _ClientStream(0)
+    engine.streams.append(s)
+    engine._add(s, _add("cmpl-a-0", 3))
+    s.window = 1
+    engine._step(s)  # sent: the window is now full
+    engine._hold(s)
+    time.sleep(0.05)
+    engine._hold(s)  # the request's last token
+    merged = pb.EngineCoreOutputs.FromString(engine._flush(s))
+    assert [len(o.new_token_ids) for o in merged.outputs] == [2]
+    assert merged.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+    times = s.step_times
+    assert times == sorted(times) and times[2] - times[1] >= 0.05  # kept when taken, not sent
+    now = time.monotonic()
+    raw = {"records": {"cmpl-a": [(times[0], 1), (now, 2)]}, "t0": 0.0, "t1": now + 1}
+    record = {"step_times": [times], "first_steps": {"cmpl-a-0": (0, 0)}}
+    lat = added_latency(raw, record)
+    assert lat["tokens"] == 3
+    assert lat["max_ms"] >= 50  # the second step waited 50 ms in the engine, and it counts
+    raw["records"]["cmpl-a"].append((now, 1))  # a token no step produced: a misjoin
+    with pytest.raises(RuntimeError, match="before its step"):
+        added_latency(raw, record)
 
 
 def test_tiny_run_measures_every_system(tmp_path: Path) -> None:
