@@ -62,6 +62,9 @@ class LoadFigures:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # The LoRA adapters (names, sorted) of the running and of the waiting requests.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     def update(self, s: SchedulerStats) -> None:
         self.num_running, self.num_waiting = s.num_running, s.num_waiting
@@ -69,6 +72,8 @@ class LoadFigures:
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
+        self.running_lora_adapters = tuple(sorted(s.running_lora_adapters))
+        self.waiting_lora_adapters = tuple(sorted(s.waiting_lora_adapters))
 
 
 @dataclass

@@ -612,6 +612,8 @@ def _load(load: pb.LoadStats) -> LoadFigures:
         prefix_cache_queries=load.prefix_cache_queries,
         prefix_cache_hits=load.prefix_cache_hits,
         num_preemptions=load.num_preemptions,
+        running_lora_adapters=tuple(load.running_lora_adapters),
+        waiting_lora_adapters=tuple(load.waiting_lora_adapters),
     )
 
 

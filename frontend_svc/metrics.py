@@ -16,6 +16,8 @@ vLLM has an engine index). Where the figures come from:
   prefill and decode times are the engine's own (RequestOutput.queued_time_s ...), except the
   decode time of a sequence the gateway ended itself (a stop string), timed here;
 * ``cache_config_info`` (an info gauge, always 1) carries each engine's cache facts as labels.
+* ``lora_requests_info`` (an engine serving LoRA adapters) names the adapters its running and
+  waiting requests use, from its load figures; its value is when it was last set.
 
 The gauges of an engine that left (or of a model it no longer serves) are removed.
 ``tandem:engine_requests_total`` (requests sent to each engine, for cache affinity or not) has
@@ -77,6 +79,7 @@ REQUEST_LATENCY_BUCKETS = (
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # vllm:cache_config_info's labels besides model_name and engine (vLLM's CacheConfig names).
 CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
 
 def length_buckets(max_value: int) -> list[int]:
@@ -126,6 +129,15 @@ class Metrics:
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             [*per_engine, *CACHE_INFO_LABELS],
+        )
+        # With LoRA adapters (the engine's max_loras > 0), as vLLM: one series whose labels
+        # name the adapters in use, its value the time it was last set. Only an engine's
+        # current label set is kept (vLLM leaves the old ones, a series per combination ever
+        # seen); it is set again when it changes and at most once a second otherwise.
+        self.lora_info = gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            [*per_engine, *LORA_INFO_LABELS],
         )
         self.prefix_queries = self._engine_total("vllm:prefix_cache_queries")
         self.prefix_hits = self._engine_total("vllm:prefix_cache_hits")
@@ -210,6 +222,10 @@ class Metrics:
         # Per engine: the model name its gauges carry, and its cache_config_info labels.
         self._gauge_model: dict[str, str] = {}
         self._cache_info: dict[str, tuple[str, ...]] = {}
+        # Per engine serving LoRA adapters: its max_loras, and its lora_requests_info labels
+        # with when they were last set.
+        self._max_loras: dict[str, int] = {}
+        self._lora_info: dict[str, tuple[tuple[str, ...], float]] = {}
         self._children: _SequenceChildren | None = None
         # Labelled children by (metric, label values): ``labels()`` takes a lock and checks its
         # arguments (~1.5 us); the gateway asks for the same few children on every engine
@@ -242,6 +258,11 @@ class Metrics:
             self._drop(self.cache_info, old)
         self.cache_info.labels(*labels).set(1)
         self._cache_info[engine] = labels
+        if info.max_loras:
+            self._max_loras[engine] = info.max_loras
+        else:
+            self._max_loras.pop(engine, None)
+            self._forget_lora_info(engine)
         if self.request_prompt_tokens is None:
             self.request_prompt_tokens, self.request_generation_tokens = (
                 Histogram(
@@ -295,6 +316,31 @@ class Metrics:
             if delta:
                 child(counter, m, engine).inc(delta)
         self._last[engine] = load
+        max_loras = self._max_loras.get(engine)
+        if max_loras is not None:
+            self._observe_lora_info(engine, m, max_loras, load)
+
+    def _observe_lora_info(self, engine: str, m: str, max_loras: int, load: LoadFigures) -> None:
+        labels = (
+            m,
+            engine,
+            str(max_loras),
+            ",".join(load.waiting_lora_adapters),
+            ",".join(load.running_lora_adapters),
+        )
+        now = time.time()
+        old = self._lora_info.get(engine)
+        if old is not None and old[0] == labels and now - old[1] < 1.0:
+            return
+        if old is not None and old[0] != labels:
+            self._drop(self.lora_info, old[0])
+        self.child(self.lora_info, *labels).set(now)
+        self._lora_info[engine] = (labels, now)
+
+    def _forget_lora_info(self, engine: str) -> None:
+        old = self._lora_info.pop(engine, None)
+        if old is not None:
+            self._drop(self.lora_info, old[0])
 
     def observe_step(self, engine: str, prompt_tokens: int, generation_tokens: int) -> None:
         """One engine message: the prompts it completed and the tokens it generated."""
@@ -313,6 +359,8 @@ class Metrics:
         info = self._cache_info.pop(engine, None)
         if info is not None:
             self._drop(self.cache_info, info)
+        self._max_loras.pop(engine, None)
+        self._forget_lora_info(engine)
         self._last.pop(engine, None)
 
     @property

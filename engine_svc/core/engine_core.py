@@ -202,6 +202,7 @@ class EngineCore:
                 priority,
                 pooling_params,
                 lora_id,
+                lora_name,
             )
         except BaseException:
             if lora_id and self.runner.lora is not None:
@@ -217,6 +218,7 @@ class EngineCore:
         priority: int,
         pooling_params: PoolingParams | None,
         lora_id: int,
+        lora_name: str | None = None,
     ) -> Request:
         info = self.info
         if pooling_params is not None:
@@ -229,6 +231,7 @@ class EngineCore:
                 priority=priority,
                 pooling_params=pooling,
                 lora_id=lora_id,
+                lora_name=lora_name,
             )
             self.scheduler.add_request(request)
             return request
@@ -250,6 +253,7 @@ class EngineCore:
             arrival_time,
             priority,
             lora_id=lora_id,
+            lora_name=lora_name,
         )
         if params.structured_output is not None:
             request.grammar = self.structured.grammar_for(params.structured_output)

@@ -88,6 +88,7 @@ class Request:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         lora_id: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -101,6 +102,7 @@ class Request:
         # The LoRA adapter it runs with (the engine's id, held from add to finish; 0: the base
         # model). Part of its prefix-cache block hashes.
         self.lora_id = lora_id
+        self.lora_name = lora_name if lora_id else None  # its name, for the load figures
         # The structured-output constraint's matcher, when sampling_params.structured_output is
         # set: it has accepted exactly output_token_ids (the scheduler advances it as tokens are
         # appended; a recompute after preemption replays tokens without touching it).

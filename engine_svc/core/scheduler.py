@@ -106,6 +106,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # With LoRA adapters: requests per adapter name, running and waiting (vLLM's figures).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class _WaitingQueue:
@@ -410,5 +413,17 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions,
         )
+        if self.lora is not None:
+            stats.running_lora_adapters = _per_adapter(self.running)
+            stats.waiting_lora_adapters = _per_adapter(self.waiting)
         self._num_preemptions = 0
         return stats
+
+
+def _per_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of ``requests`` run with each LoRA adapter (by name)."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_name is not None:
+            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+    return counts

@@ -154,6 +154,8 @@ def load_to_pb(load: LoadFigures) -> pb.LoadStats:
         prefix_cache_queries=load.prefix_cache_queries,
         prefix_cache_hits=load.prefix_cache_hits,
         num_preemptions=load.num_preemptions,
+        running_lora_adapters=load.running_lora_adapters,
+        waiting_lora_adapters=load.waiting_lora_adapters,
     )
 
 

@@ -4,6 +4,7 @@ into counters, gone with the engine), tokens per engine message, and per-sequenc
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -154,6 +155,43 @@ def test_cache_config_info_carries_the_engine_cache_facts() -> None:
     m.observe_engine_info("a:1", dataclasses.replace(INFO, num_kv_blocks=32))
     info = [dict(k[1]) for k in samples(m) if k[0] == "vllm:cache_config_info"]
     assert info == [{**labels, "num_gpu_blocks": "32"}]
+
+
+def test_lora_requests_info_names_the_adapters_in_use() -> None:
+    """vLLM's lora_requests_info for an engine serving adapters: its labels name the running and
+    waiting adapters, its value is when it was set; one series per engine, the current one."""
+    m = Metrics("m")
+    m.observe_engine_info("a:1", dataclasses.replace(INFO, max_loras=2))
+    m.observe_engine_info("b:2", INFO)  # serves no adapters: no series
+    before = time.time()
+    busy = LoadFigures(running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",))
+    m.observe_load("a:1", busy)
+    m.observe_load("b:2", busy)
+
+    def series() -> dict[tuple[str, str, str, str], float]:
+        return {
+            (d["engine"], d["max_lora"], d["running_lora_adapters"], d["waiting_lora_adapters"]): v
+            for (name, labels), v in samples(m).items()
+            if name == "vllm:lora_requests_info" and (d := dict(labels))["model_name"] == "m"
+        }
+
+    found = series()
+    assert list(found) == [("a:1", "2", "a,b", "c")]
+    assert before <= found[("a:1", "2", "a,b", "c")] <= time.time()
+    m.observe_load("a:1", busy)  # unchanged
+    assert list(series()) == [("a:1", "2", "a,b", "c")]
+    m.observe_load("a:1", LoadFigures(running_lora_adapters=("c",)))
+    assert list(series()) == [("a:1", "2", "c", "")]  # the old combination is gone
+    m.observe_load("a:1", LoadFigures())
+    assert list(series()) == [("a:1", "2", "", "")]  # idle: still there, naming none
+    m.observe_engine_info("a:1", INFO)  # reconnected without adapters
+    m.observe_load("a:1", busy)
+    assert series() == {}
+    m.observe_engine_info("a:1", dataclasses.replace(INFO, max_loras=4))
+    m.observe_load("a:1", busy)
+    assert list(series()) == [("a:1", "4", "a,b", "c")]
+    m.forget_engine("a:1")
+    assert series() == {}
 
 
 def test_tokens_per_engine_message_as_vllm_counts_them() -> None:

@@ -166,3 +166,39 @@ def test_a_bad_directory_is_400_naming_the_file(
     assert "adapter_model.safetensors" in r.json()["error"]["message"]
     assert "broken" not in cards(gateway)
     assert http_tokens(gateway, "alpha") == grpc_tokens(stub, "alpha")  # still served
+
+
+def test_metrics_name_the_adapter_a_running_request_uses(
+    servers: tuple[pb_grpc.EngineStub, Gateway],
+) -> None:
+    """vllm:lora_requests_info, from the engine's load figures: while a request for "alpha"
+    streams, the series names it among the running adapters, with the engine's max_loras."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, gateway = servers
+    body = {
+        "model": "alpha",
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url, headers = gateway.url, gateway.headers
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # it is running
+        scrape = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+        info = [
+            s.labels
+            for family in text_string_to_metric_families(scrape)
+            for s in family.samples
+            if s.name == "vllm:lora_requests_info"
+        ]
+        for _ in lines:  # read it to the end
+            pass
+    assert len(info) == 1, info
+    assert info[0]["running_lora_adapters"] == "alpha"
+    assert info[0]["waiting_lora_adapters"] == ""
+    assert info[0]["max_lora"] == "2"

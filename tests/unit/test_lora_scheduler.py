@@ -25,7 +25,7 @@ def req(reg: LoRARegistry, rid: str, lora: str | None, prompt: list[int] | None 
     """A request holding its adapter, as EngineCore.add_request makes it."""
     lora_id = reg.acquire(lora).lora_id if lora else 0
     tokens = prompt or [100 + sum(map(ord, rid)) + i for i in range(5)]
-    return Request(rid, tokens, SamplingParams(max_tokens=4), lora_id=lora_id)
+    return Request(rid, tokens, SamplingParams(max_tokens=4), lora_id=lora_id, lora_name=lora)
 
 
 def step(sched: Scheduler) -> list[str]:
@@ -54,6 +54,24 @@ def test_requests_beyond_the_slots_wait_in_their_place() -> None:
     sched.abort_requests(["r2", "r7"])  # b's requests are gone: one slot frees, r3 takes it
     assert step(sched) == ["r1", "r4", "r5", "r3"]
     assert [r.request_id for r in sched.waiting] == ["r6"]
+
+
+def test_stats_count_the_running_and_waiting_requests_per_adapter() -> None:
+    """The load figures behind vllm:lora_requests_info: requests per adapter name, running and
+    waiting (base-model requests in neither)."""
+    sched, reg = setup(max_loras=2)
+    for rid, lora in [("r1", "a"), ("r2", "b"), ("r3", "c"), ("r4", "a"), ("r5", None)]:
+        sched.add_request(req(reg, rid, lora))
+    stats = sched.stats()
+    assert stats.running_lora_adapters == {}  # nothing scheduled yet: all five wait
+    assert stats.waiting_lora_adapters == {"a": 2, "b": 1, "c": 1}
+    step(sched)  # c is stepped over: only two adapters fit
+    stats = sched.stats()
+    assert stats.running_lora_adapters == {"a": 2, "b": 1}
+    assert stats.waiting_lora_adapters == {"c": 1}
+    sched.abort_requests(["r1", "r2", "r3", "r4", "r5"])
+    stats = sched.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ({}, {})
 
 
 def test_every_step_fits_the_slots() -> None:

@@ -246,20 +246,24 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "running_lora_adapters", "waiting_lora_adapters")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    running_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    waiting_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineCoreOutputs(_message.Message):
     __slots__ = ("outputs", "errors", "load", "timestamp")
