@@ -20,7 +20,8 @@ from tokenizers import Tokenizer
 
 from frontend_svc.config import BackoffConfig, FrontendConfig, RoutingConfig
 from frontend_svc.engine_client import EngineClient
-from frontend_svc.engine_pool import EnginePool, EngineTarget, parse_engine_targets
+from frontend_svc.engine_pool import EnginePool
+from frontend_svc.engine_targets import EngineTarget, parse_engine_targets
 from frontend_svc.engine_types import (
     EngineErrorCode,
     EngineOutput,
