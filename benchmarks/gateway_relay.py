@@ -283,7 +283,8 @@ def added_latency(raw: dict[str, Any], engine_record: dict[str, Any]) -> dict[st
         for t, n in chunks:
             if t0 <= t < t1:
                 sent = steps[stream][k : k + n]
-                if len(sent) < n:  # more tokens than the engine's steps: misjoined
+                # Fewer steps than tokens, or a token received before its step: misjoined.
+                if len(sent) < n or t < sent[-1]:
                     raise RuntimeError(f"a token of {request_id} was received before its step")
                 lat += [t - x for x in sent]
             k += n

@@ -72,8 +72,10 @@ class LoadFigures:
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
-        self.running_lora_adapters = tuple(sorted(s.running_lora_adapters))
-        self.waiting_lora_adapters = tuple(sorted(s.waiting_lora_adapters))
+        if s.running_lora_adapters or self.running_lora_adapters:  # (LoRA on: not empty)
+            self.running_lora_adapters = tuple(sorted(s.running_lora_adapters))
+        if s.waiting_lora_adapters or self.waiting_lora_adapters:
+            self.waiting_lora_adapters = tuple(sorted(s.waiting_lora_adapters))
 
 
 @dataclass

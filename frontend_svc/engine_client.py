@@ -612,8 +612,9 @@ def _load(load: pb.LoadStats) -> LoadFigures:
         prefix_cache_queries=load.prefix_cache_queries,
         prefix_cache_hits=load.prefix_cache_hits,
         num_preemptions=load.num_preemptions,
-        running_lora_adapters=tuple(load.running_lora_adapters),
-        waiting_lora_adapters=tuple(load.waiting_lora_adapters),
+        # (Empty unless the engine serves LoRA adapters: no tuple built then.)
+        running_lora_adapters=tuple(r) if (r := load.running_lora_adapters) else (),
+        waiting_lora_adapters=tuple(w) if (w := load.waiting_lora_adapters) else (),
     )
 
 

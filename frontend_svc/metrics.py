@@ -258,11 +258,14 @@ class Metrics:
             self._drop(self.cache_info, old)
         self.cache_info.labels(*labels).set(1)
         self._cache_info[engine] = labels
+        # A (re)connected engine's adapter figures start empty (its earlier ones, perhaps of
+        # another model or slot count, go): its load messages fill them in.
+        self._forget_lora_info(engine)
         if info.max_loras:
             self._max_loras[engine] = info.max_loras
+            self._observe_lora_info(engine, m, info.max_loras, LoadFigures())
         else:
             self._max_loras.pop(engine, None)
-            self._forget_lora_info(engine)
         if self.request_prompt_tokens is None:
             self.request_prompt_tokens, self.request_generation_tokens = (
                 Histogram(

@@ -147,16 +147,19 @@ def lora_info_to_pb(info: LoRAInfo) -> pb.LoraInfo:
 
 
 def load_to_pb(load: LoadFigures) -> pb.LoadStats:
-    return pb.LoadStats(
+    stats = pb.LoadStats(
         num_running_requests=load.num_running,
         num_waiting_requests=load.num_waiting,
         kv_cache_usage=load.kv_cache_usage,
         prefix_cache_queries=load.prefix_cache_queries,
         prefix_cache_hits=load.prefix_cache_hits,
         num_preemptions=load.num_preemptions,
-        running_lora_adapters=load.running_lora_adapters,
-        waiting_lora_adapters=load.waiting_lora_adapters,
     )
+    if running := load.running_lora_adapters:  # (only with LoRA adapters in use)
+        stats.running_lora_adapters.extend(running)
+    if waiting := load.waiting_lora_adapters:
+        stats.waiting_lora_adapters.extend(waiting)
+    return stats
 
 
 def model_info_to_pb(info: ModelInfo, model_source: str, version: str) -> pb.GetModelInfoResponse:

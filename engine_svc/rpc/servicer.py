@@ -198,6 +198,8 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
             while True:
                 # Everything queued is taken (and merged) before a message is sent.
                 if inbox.empty() or stopping is not None:
+                    if stopping is not None:  # what came after the close goes out too
+                        _take_batches(inbox, outbox)
                     if outbox.ready():
                         batch = outbox.take()
                         # The ids that end here travel with the message, so this handler
@@ -225,9 +227,6 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                         return  # abort() raises; this only tells type checkers
                     # The engine stops: what is queued and held for the client goes out first,
                     # as gRPC takes it (no progress is waited for), then the stream ends.
-                    while not inbox.empty():
-                        if isinstance(queued := inbox.get_nowait(), ClientBatch):
-                            outbox.add(queued)
                     outbox.drop_window()
                     stopping = item
         finally:
@@ -340,6 +339,14 @@ def _chat_template(model_dir: Path) -> str:
         template = json.loads(cfg.read_text()).get("chat_template") or ""
         return template if isinstance(template, str) else ""
     return ""
+
+
+def _take_batches(inbox: asyncio.Queue[_StreamItem], outbox: StreamOutbox) -> None:
+    """Move the engine's batches queued for a stopping stream into its outbox (the rest of the
+    queue, progress wake-ups and the reader's end, no longer matters)."""
+    while not inbox.empty():
+        if isinstance(queued := inbox.get_nowait(), ClientBatch):
+            outbox.add(queued)
 
 
 def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:

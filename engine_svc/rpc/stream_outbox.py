@@ -100,6 +100,7 @@ class StreamOutbox:
         self.sent = 0
         self.read = 0
         self.steps_merged = 0  # batches folded into an earlier one, for tests and metrics
+        self._dropped = False  # drop_window() was called: no window from then on
 
     def add(self, batch: ClientBatch) -> None:
         last = self._pending[-1] if self._pending else None
@@ -110,16 +111,17 @@ class StreamOutbox:
             self._pending.append(_Merged(batch))
 
     def flow(self, window: int, messages_read: int) -> None:
-        """The client's FlowControl: a window of 0 keeps the one set; counts only grow, up to
-        the messages sent."""
-        if window:
+        """The client's FlowControl: a window of 0 keeps the one set (as does any window once it
+        was dropped); counts only grow, up to the messages sent."""
+        if window and not self._dropped:
             self.window = window
         self.read = max(self.read, min(messages_read, self.sent))
 
     def drop_window(self) -> None:
         """The client half-closed (it can report no more progress) or the stream is ending:
-        what is held goes out as gRPC takes it."""
+        what is held goes out as gRPC takes it, whatever window comes later."""
         self.window = 0
+        self._dropped = True
 
     @property
     def empty(self) -> bool:

@@ -161,12 +161,6 @@ def test_lora_requests_info_names_the_adapters_in_use() -> None:
     """vLLM's lora_requests_info for an engine serving adapters: its labels name the running and
     waiting adapters, its value is when it was set; one series per engine, the current one."""
     m = Metrics("m")
-    m.observe_engine_info("a:1", dataclasses.replace(INFO, max_loras=2))
-    m.observe_engine_info("b:2", INFO)  # serves no adapters: no series
-    before = time.time()
-    busy = LoadFigures(running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",))
-    m.observe_load("a:1", busy)
-    m.observe_load("b:2", busy)
 
     def series() -> dict[tuple[str, str, str, str], float]:
         return {
@@ -174,6 +168,14 @@ def test_lora_requests_info_names_the_adapters_in_use() -> None:
             for (name, labels), v in samples(m).items()
             if name == "vllm:lora_requests_info" and (d := dict(labels))["model_name"] == "m"
         }
+
+    m.observe_engine_info("a:1", dataclasses.replace(INFO, max_loras=2))
+    m.observe_engine_info("b:2", INFO)  # serves no adapters: no series
+    assert list(series()) == [("a:1", "2", "", "")]  # connected: none in use yet
+    before = time.time()
+    busy = LoadFigures(running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",))
+    m.observe_load("a:1", busy)
+    m.observe_load("b:2", busy)
 
     found = series()
     assert list(found) == [("a:1", "2", "a,b", "c")]
@@ -184,6 +186,10 @@ def test_lora_requests_info_names_the_adapters_in_use() -> None:
     assert list(series()) == [("a:1", "2", "c", "")]  # the old combination is gone
     m.observe_load("a:1", LoadFigures())
     assert list(series()) == [("a:1", "2", "", "")]  # idle: still there, naming none
+    m.model_name = "other"  # reconnected serving another model: the old series goes at once
+    m.observe_engine_info("a:1", dataclasses.replace(INFO, max_loras=2))
+    assert series() == {}  # (series() shows model "m" only)
+    m.model_name = "m"
     m.observe_engine_info("a:1", INFO)  # reconnected without adapters
     m.observe_load("a:1", busy)
     assert series() == {}

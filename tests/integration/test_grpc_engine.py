@@ -74,7 +74,7 @@ def test_a_stream_aborts_only_its_own_request_of_a_shared_id(stub: pb_grpc.Engin
     """Request ids are each client's own: two Streams may use the same one, and one Stream's
     abort of it leaves the other's running."""
     mine, theirs = StreamSession(stub), StreamSession(stub)
-    theirs.add(add_request("shared", PROMPT, 40))
+    theirs.add(add_request("shared", PROMPT, 400))
     mine.add(add_request("shared", PROMPT, 1900))
     finish: dict[str, int] = {}
     for message in mine:  # from its first token on, abort it
@@ -88,7 +88,7 @@ def test_a_stream_aborts_only_its_own_request_of_a_shared_id(stub: pb_grpc.Engin
     theirs.half_close()
     outs = [o for m in theirs for o in m.outputs]
     assert finish["mine"] == pb.FINISH_REASON_ABORT
-    assert sum(len(o.new_token_ids) for o in outs) == 40
+    assert sum(len(o.new_token_ids) for o in outs) == 400
     assert outs[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 

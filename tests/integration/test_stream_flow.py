@@ -14,6 +14,7 @@ import pytest
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 from tests.integration.grpc_util import StreamSession, add_request, generate, tokens_of
+from tests.integration.harness import Engine
 from tests.integration.inprocess import InProcessEngine, tiny_core
 
 pytestmark = pytest.mark.timeout(90)
@@ -188,3 +189,49 @@ def test_an_engine_that_stops_sends_what_it_holds_before_unavailable(
         if stopper.ident is None:
             server.stop()
         stopper.join(30)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_the_gateways_client_under_other_windows_gets_every_token(
+    engine: Engine, stub: pb_grpc.EngineStub, window: int
+) -> None:
+    """The gateway's EngineClient reports progress each time it has read a window's worth; with
+    windows other than the default (1: every message; 3: an odd one) against the real engine,
+    concurrent requests get every token Generate gives, and nothing stalls."""
+    import asyncio
+    import contextlib
+
+    from frontend_svc.config import BackoffConfig
+    from frontend_svc.engine_client import EngineClient
+    from frontend_svc.engine_types import EngineRequest, EngineSamplingParams, FinishReason
+
+    lengths = {f"w{window}-{i}": 20 + 7 * i for i in range(5)}
+    expected = {
+        rid: tokens_of(generate(stub, add_request(f"{rid}-ref", PROMPT, n)))
+        for rid, n in lengths.items()
+    }
+
+    async def one(client: EngineClient, rid: str) -> list[int]:
+        params = EngineSamplingParams(max_tokens=lengths[rid], temperature=0.0, ignore_eos=True)
+        tokens: list[int] = []
+        async with contextlib.aclosing(
+            client.generate(EngineRequest(rid, tuple(PROMPT), params))
+        ) as outputs:
+            async for out in outputs:
+                tokens.extend(out.new_token_ids)
+        assert out.finish_reason is FinishReason.LENGTH
+        return tokens
+
+    async def scenario() -> dict[str, list[int]]:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2), window=window)
+        client.start()
+        try:
+            assert await client.wait_connected(30)
+            got = await asyncio.wait_for(
+                asyncio.gather(*(one(client, rid) for rid in lengths)), timeout=60
+            )
+            return dict(zip(lengths, got, strict=True))
+        finally:
+            await client.close()
+
+    assert asyncio.run(scenario()) == expected

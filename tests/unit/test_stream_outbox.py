@@ -121,3 +121,16 @@ def test_half_closing_drops_the_window() -> None:
     assert not box.ready()
     box.drop_window()
     assert box.ready() and box.take().outputs[0].new_token_ids == [2]
+
+
+def test_a_dropped_window_stays_dropped() -> None:
+    """Once dropped (half-close, or the engine stopping), a window the client sends later does
+    not hold back what is left: it all goes out."""
+    box = StreamOutbox()
+    box.flow(window=1, messages_read=0)
+    box.add(ClientBatch([out("a", 1)]))
+    box.take()
+    box.drop_window()
+    box.flow(window=1, messages_read=0)  # late
+    box.add(ClientBatch([out("b", 2)]))
+    assert box.ready() and box.take().outputs[0].new_token_ids == [2]
