@@ -52,9 +52,11 @@ T = TypeVar("T")
 _IDLE_WAIT_S = 0.5  # an idle loop wakes this often, so its heartbeat stays fresh
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class LoadFigures:
-    """Cumulative counters plus the latest gauges, as every client message carries them."""
+    """Cumulative counters plus the latest gauges, as every client message carries them. A
+    snapshot: each step makes a new one (``after``), so a message built on the server's event
+    loop while the loop thread steps on reads one step's figures, never a mix of two."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -66,16 +68,19 @@ class LoadFigures:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
 
-    def update(self, s: SchedulerStats) -> None:
-        self.num_running, self.num_waiting = s.num_running, s.num_waiting
-        self.kv_cache_usage = s.kv_cache_usage
-        self.prefix_cache_queries += s.prefix_cache_queries
-        self.prefix_cache_hits += s.prefix_cache_hits
-        self.num_preemptions += s.num_preemptions
-        if s.running_lora_adapters or self.running_lora_adapters:  # (LoRA on: not empty)
-            self.running_lora_adapters = tuple(sorted(s.running_lora_adapters))
-        if s.waiting_lora_adapters or self.waiting_lora_adapters:
-            self.waiting_lora_adapters = tuple(sorted(s.waiting_lora_adapters))
+    def after(self, s: SchedulerStats) -> LoadFigures:
+        """These figures after a step whose scheduler stats are ``s``."""
+        return LoadFigures(
+            s.num_running,
+            s.num_waiting,
+            s.kv_cache_usage,
+            self.prefix_cache_queries + s.prefix_cache_queries,
+            self.prefix_cache_hits + s.prefix_cache_hits,
+            self.num_preemptions + s.num_preemptions,
+            # (Empty unless LoRA is on.)
+            tuple(sorted(r)) if (r := s.running_lora_adapters) else (),
+            tuple(sorted(w)) if (w := s.waiting_lora_adapters) else (),
+        )
 
 
 @dataclass
@@ -348,7 +353,7 @@ class EngineLoop:
                     break
                 if self.core.has_unfinished_requests():
                     step = self.core.step()
-                    self.load.update(step.stats)
+                    self.load = self.load.after(step.stats)
                     self._route(step.outputs, step.errors)
                 if self._sleep_pending:
                     self._try_sleep()
@@ -439,7 +444,7 @@ class EngineLoop:
             self._sleep_pending = False
             self.sleeping = error is None
         if error is None:
-            self.load.update(self.core.scheduler.stats())
+            self.load = self.load.after(self.core.scheduler.stats())
             logger.info("engine asleep (level %d)", level)
         elif not isinstance(error, ValueError):
             logger.error("the engine failed to go to sleep: %s", error)
@@ -469,7 +474,7 @@ class EngineLoop:
         finals = {o.request_id: o for o in self.core.abort_requests(item.internal_ids)}
         # Aborts free blocks and slots outside a step: refresh the gauges now, or an idle
         # engine keeps reporting (and admitting against) the figures of its last step.
-        self.load.update(self.core.scheduler.stats())
+        self.load = self.load.after(self.core.scheduler.stats())
         batches: dict[str, ClientBatch] = {}
         with self._lock:
             for i in item.internal_ids:

@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as refl
 
+from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_loop import ClientBatch, EngineLoop
 from engine_svc.rpc import servicer as servicer_module
 from engine_svc.rpc.server import SERVER_OPTIONS, _add_port
@@ -200,6 +201,29 @@ def test_stream_messages_are_built_off_the_engine_loop_thread(
         assert len(threads) == len(messages) and "engine-loop" not in threads, threads
     finally:
         server.stop()
+
+
+def test_each_step_hands_over_its_own_load_figures(tiny_models: dict[str, Path]) -> None:
+    """A step's batch carries that step's load figures, a snapshot: the loop thread makes new
+    ones for the next step instead of changing the ones a message may still be built from on
+    the server's event loop (they were one shared object: a message could read a later step's
+    figures, or a mix of two steps)."""
+    loop = EngineLoop(lambda: tiny_core(tiny_models["llama"]))
+    loop.start()
+    got: queue.Queue[ClientBatch] = queue.Queue()
+    loop.register("c", got.put)
+    batches: list[ClientBatch] = []
+    try:
+        loop.submit("c", "r", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+        while not any(o.finished for b in batches for o in b.outputs):
+            batches.append(got.get(timeout=30))
+    finally:
+        loop.stop()
+    loads = [b.load for b in batches]
+    assert all(load is not None for load in loads)
+    assert loads[0].num_running == 1  # type: ignore[union-attr]
+    assert loads[-1].num_running == 0  # type: ignore[union-attr]  # finished in the last step
+    assert len({id(load) for load in loads}) == len(loads)
 
 
 def test_half_closed_stream_gets_its_last_output(
