@@ -112,15 +112,26 @@ class SchedulerStats:
 
 
 class _WaitingQueue:
-    """FCFS deque, or a (priority, arrival) heap under the priority policy."""
+    """FCFS deque, or a (priority, arrival) heap under the priority policy. Keeps how many of
+    its requests use each LoRA adapter (``per_adapter``), so the step's stats need not walk a
+    long queue."""
 
     def __init__(self, by_priority: bool) -> None:
         self.by_priority = by_priority
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[tuple[int, float], int, Request]] = []
         self._tie = itertools.count()
+        self.per_adapter: dict[str, int] = {}
+
+    def _count(self, request: Request, delta: int) -> None:
+        if (name := request.lora_name) is not None:
+            if n := self.per_adapter.get(name, 0) + delta:
+                self.per_adapter[name] = n
+            else:
+                del self.per_adapter[name]
 
     def add(self, request: Request, front: bool = False) -> None:
+        self._count(request, 1)
         if self.by_priority:
             heapq.heappush(self._heap, (request.sort_key(), next(self._tie), request))
         elif front:
@@ -132,9 +143,14 @@ class _WaitingQueue:
         return self._heap[0][2] if self.by_priority else self._fifo[0]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2] if self.by_priority else self._fifo.popleft()
+        request = heapq.heappop(self._heap)[2] if self.by_priority else self._fifo.popleft()
+        self._count(request, -1)
+        return request
 
     def remove(self, doomed: set[Request]) -> None:
+        for r in self:
+            if r in doomed:
+                self._count(r, -1)
         if self.by_priority:
             self._heap = [e for e in self._heap if e[2] not in doomed]
             heapq.heapify(self._heap)
@@ -415,7 +431,7 @@ class Scheduler:
         )
         if self.lora is not None:
             stats.running_lora_adapters = _per_adapter(self.running)
-            stats.waiting_lora_adapters = _per_adapter(self.waiting)
+            stats.waiting_lora_adapters = dict(self.waiting.per_adapter)
         self._num_preemptions = 0
         return stats
 

@@ -4,6 +4,10 @@ and prefix-cache blocks never shared between adapters."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import SamplingParams
@@ -72,6 +76,42 @@ def test_stats_count_the_running_and_waiting_requests_per_adapter() -> None:
     sched.abort_requests(["r1", "r2", "r3", "r4", "r5"])
     stats = sched.stats()
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ({}, {})
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_waiting_queues_adapter_counts_stay_exact(policy: str) -> None:
+    """The waiting queue counts its requests per adapter as they come and go (added, scheduled,
+    stepped over and put back, preempted, aborted, finished); the counts always equal a recount."""
+    rng = random.Random(7)
+    reg = LoRARegistry(2)
+    for name in "abcd":
+        reg.add(name, f"/{name}", 8)
+    kv = KVCacheManager(16, BS)  # small: long requests get preempted
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, policy=policy), kv, reg)  # type: ignore[arg-type]
+    live: list[str] = []
+    preemptions = 0
+    for i in range(120):
+        if rng.random() < 0.5:
+            rid, lora = f"r{i}", rng.choice([None, "a", "b", "c", "d"])
+            lora_id = reg.acquire(lora).lora_id if lora else 0
+            tokens = [100 + i + j for j in range(rng.randint(2, 9))]
+            params = SamplingParams(max_tokens=rng.randint(1, 40))
+            sched.add_request(
+                Request(rid, tokens, params, lora_id=lora_id, lora_name=lora, priority=i % 3)
+            )
+            live.append(rid)
+        if live and rng.random() < 0.15:
+            sched.abort_requests([live.pop(rng.randrange(len(live)))])
+        step(sched)
+        recount: dict[str, int] = {}
+        for r in sched.waiting:
+            if r.lora_name is not None:
+                recount[r.lora_name] = recount.get(r.lora_name, 0) + 1
+        assert sched.waiting.per_adapter == recount
+        stats = sched.stats()
+        assert stats.waiting_lora_adapters == recount
+        preemptions += stats.num_preemptions
+    assert preemptions > 0  # the scenario did preempt (requests went back to waiting)
 
 
 def test_every_step_fits_the_slots() -> None:
