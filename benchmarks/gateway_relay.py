@@ -354,35 +354,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.step_ms is None and math.isnan(capacity):
             raise SystemExit("--paced-concurrency not among --concurrency: give --step-ms")
         step_ms = args.step_ms or 1000.0 * c / (args.paced_fraction * capacity)
-        record = tmp / "engine-record.json"
-        with gateway_servers(tmp, tokenizer, step_ms=step_ms, record=record) as s:
-            p = run_point("gateway-paced", s, c, args, tmp, record=True)
-            engine_record = _signal_and_wait(s.watch["engine"], record)
-        raw = p.pop("raw")
         offered = 1000.0 * c / step_ms
-        results["paced"] = {
-            **p,
-            "step_ms": step_ms,
-            "offered_tok_s": offered,
-            "offered_vs_bare_capacity": offered / bare_cap,
-            "added_latency": added_latency(raw, engine_record),
-        }
-        # The floor under that figure: the bare app on the same steps (every stream gets its
-        # token at once each step), measured by the same client the same way.
-        bare_record = tmp / "bare-record.json"
-        with bare_server(tmp, step_ms=step_ms, record=bare_record) as s:
-            p = run_point("bare-paced", s, c, args, tmp, record=True)
-            record_of_bare = _signal_and_wait(s.watch["server"], bare_record)
-        raw = p.pop("raw")
-        results["paced_bare"] = {
-            **p,
-            "step_ms": step_ms,
-            "added_latency": added_latency(raw, record_of_bare),
-        }
-        gw, floor = results["paced"]["added_latency"], results["paced_bare"]["added_latency"]
-        results["paced"]["over_bare_ms"] = {
-            q: gw[f"{q}_ms"] - floor[f"{q}_ms"] for q in ("p50", "p90", "p99")
-        }
+        # Each repeat: the gateway on the paced stand-in, then the bare app on the same steps
+        # (the floor: every stream gets its token at once each step), measured by the same
+        # client the same way. The tail moves by milliseconds between runs on a small shared
+        # machine, so the figure judged is the median over the repeats; each is kept.
+        repeats = []
+        for i in range(max(1, args.paced_repeats)):
+            record = tmp / f"engine-record-{i}.json"  # (a new file: its appearance is the signal)
+            with gateway_servers(tmp, tokenizer, step_ms=step_ms, record=record) as s:
+                p = run_point("gateway-paced", s, c, args, tmp, record=True)
+                engine_record = _signal_and_wait(s.watch["engine"], record)
+            paced = {
+                **p,
+                "step_ms": step_ms,
+                "offered_tok_s": offered,
+                "offered_vs_bare_capacity": offered / bare_cap,
+                "added_latency": added_latency(p.pop("raw"), engine_record),
+            }
+            bare_record = tmp / f"bare-record-{i}.json"
+            with bare_server(tmp, step_ms=step_ms, record=bare_record) as s:
+                p = run_point("bare-paced", s, c, args, tmp, record=True)
+                record_of_bare = _signal_and_wait(s.watch["server"], bare_record)
+            paced_bare = {
+                **p,
+                "step_ms": step_ms,
+                "added_latency": added_latency(p.pop("raw"), record_of_bare),
+            }
+            gw, floor = paced["added_latency"], paced_bare["added_latency"]
+            paced["over_bare_ms"] = {
+                q: gw[f"{q}_ms"] - floor[f"{q}_ms"] for q in ("p50", "p90", "p99")
+            }
+            repeats.append((paced, paced_bare))
+        # The repeat whose p99 over bare is the median stands for the run (its records whole).
+        repeats.sort(key=lambda r: r[0]["over_bare_ms"]["p99"])
+        results["paced"], results["paced_bare"] = repeats[len(repeats) // 2]
+        results["paced"]["repeats_over_bare_ms"] = [r[0]["over_bare_ms"] for r in repeats]
 
         results["workers_flag"] = gateway_has_workers_flag()
         if results["workers_flag"] and args.workers > 1:
@@ -494,6 +501,8 @@ def report(results: dict[str, Any]) -> str:
         f"max {floor['max_ms']:.2f} ms; the gateway over it: p50 {over['p50']:.2f} ms, "
         f"p90 {over['p90']:.2f} ms, p99 {over['p99']:.2f} ms"
     )
+    each = ", ".join(f"{r['p99']:.2f}" for r in paced.get("repeats_over_bare_ms", []))
+    lines.append(f"paced p99 over bare in each repeat (the median one above): {each} ms")
     floor = results["grpc_read_floor"]
     versus = floor.get("vs_bare_c1_tok_s")
     lines.append(
@@ -557,6 +566,12 @@ def main() -> None:
         help="paced load as a fraction of min(bare, gateway) tok/s at that C",
     )
     ap.add_argument("--step-ms", type=float, default=None, help="paced step (overrides fraction)")
+    ap.add_argument(
+        "--paced-repeats",
+        type=int,
+        default=3,
+        help="paced gateway/bare pairs; the one with the median p99 over bare is reported",
+    )
     ap.add_argument(
         "--lead-steps",
         type=int,
