@@ -157,6 +157,7 @@ def test_tiny_run_measures_every_system(tmp_path: Path) -> None:
     # Three paced pairs; the one reported is the median by p99 over bare.
     each = [r["p99"] for r in results["paced"]["repeats_over_bare_ms"]]
     assert len(each) == 3 and each == sorted(each) and over["p99"] == each[1]
+    assert "raw" not in results["paced"] and "raw" not in results["paced_bare"]  # joined, not kept
     assert "paced_p99_added_over_bare_ms_c4" in results["verdicts"]
     assert results["ratios"]["4"]["tok_s"] > 0
     floor = results["grpc_read_floor"]  # one-token messages read and dropped: a gateway's ceiling
