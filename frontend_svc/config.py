@@ -114,9 +114,9 @@ class FrontendConfig:
     workers: int = 1  # gateway processes sharing the port, each with its own engine streams
     # Engine messages in flight unread on each engine stream; the engine merges the steps that
     # come while it is full (the contract's FlowControl). 0: no window. Small on purpose: a
-    # gateway that keeps up reports every message and never fills it; one that falls behind gets
-    # the steps merged after two messages instead of a queue of one-step messages
-    # (benchmarks/results/gateway_relay_cpu.md: 2 against 4, 16 and none).
+    # gateway that falls behind gets the steps merged after two unread messages instead of a
+    # queue of one-step messages; it reports its progress each time it has read two
+    # (benchmarks/results/gateway_relay_cpu.md: 2 against 1, 4, 16 and none).
     engine_window: int = 2
     tool_call_parser: str | None = None  # how model output becomes tool calls (tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser reads

@@ -6,12 +6,11 @@ per-step ``EngineCoreOutputs`` are split by request id into those collectors (a 
 falls behind takes several steps' outputs merged into one). The stream has a window
 (``FlowControl``): at most ``window`` engine messages in flight unread, progress reported each
 time a window's worth has been read; an engine that outpaces this reader merges its steps instead
-of queueing them. A
-consumer that goes away (its generator is closed) makes the client send an abort. A pooling
-request (``pooling_params``) is answered by one final output whose ``pooled`` holds its vector.
-When the stream breaks, every in-flight request gets an :class:`EngineUnavailableError` at once
-and the client reconnects with exponential backoff, fetching model info and the tokenizer again
-before it reports itself connected.
+of queueing them. A consumer that goes away (its generator is closed) makes the client send an
+abort. A pooling request (``pooling_params``) is answered by one final output whose ``pooled``
+holds its vector. When the stream breaks, every in-flight request gets an
+:class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
+fetching model info and the tokenizer again before it reports itself connected.
 
 Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
 drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
