@@ -30,8 +30,10 @@ gateway, of the stand-in engine, reported per 1k tokens.
 
 Then the latency the gateway adds, below capacity: the stand-in engine is paced (``--step-ms``;
 default: C streams at ``--paced-fraction`` of the lower of the bare and gateway capacities
-measured at that C) and records when it sent each step (a step held while the gateway's window
-was full: when it was taken, so the hold counts); the client records when each chunk arrived.
+measured at that C, in chunks per second: paced, every chunk carries one token, while unpaced
+the gateway's chunks carry several when its engine window fills) and records when it sent each
+step (a step held while the gateway's window was full: when it was taken, so the hold counts);
+the client records when each chunk arrived.
 The gateway's chunk id is ``cmpl-<hex>`` and the engine's request id ``<that id>-0``, so every
 token's (client receive time - engine send time) is known: both are CLOCK_MONOTONIC.
 That figure also holds what is not the gateway's: the HTTP writes of a step's events, one after
@@ -350,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         c = args.paced_concurrency or max(args.concurrency)
         bare_cap = by.get(("bare", c), {}).get("tok_s", math.nan)
-        capacity = min(bare_cap, by.get(("gateway", c), {}).get("tok_s", math.inf))
+        capacity = chunk_capacity(by, c)
         if args.step_ms is None and math.isnan(capacity):
             raise SystemExit("--paced-concurrency not among --concurrency: give --step-ms")
         step_ms = args.step_ms or 1000.0 * c / (args.paced_fraction * capacity)
@@ -371,6 +373,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "step_ms": step_ms,
                 "offered_tok_s": offered,
                 "offered_vs_bare_capacity": offered / bare_cap,
+                "offered_vs_chunk_capacity": offered / capacity,
                 "added_latency": added_latency(raw, engine_record),
             }
             bare_record = tmp / f"bare-record-{i}.json"
@@ -403,6 +406,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["ratios"] = ratios(points, args.workers)
     results["verdicts"] = check_targets(results)
     return results
+
+
+def chunk_capacity(by: dict[tuple[str, int], dict[str, Any]], concurrency: int) -> float:
+    """The paced run's reference capacity at ``concurrency``: the lower of the bare app's and
+    the gateway's unpaced rates in chunks (events) per second, NaN without a bare point.
+
+    A paced step gives every stream one token, so paced, each chunk carries one token; the rate
+    that matters is chunks per second. Unpaced, the gateway's chunks carry several tokens when
+    its engine window fills (the engine merges steps), so its tokens per second overstate what it
+    relays one token per chunk: a pace derived from them lands near saturation, not below it."""
+    bare = by.get(("bare", concurrency))
+    if bare is None:
+        return math.nan
+    rates = [bare["tok_s"] / max(bare["tokens_per_chunk"], 1.0)]
+    gateway = by.get(("gateway", concurrency))
+    if gateway is not None:
+        rates.append(gateway["tok_s"] / max(gateway["tokens_per_chunk"], 1.0))
+    return min(rates)
 
 
 def ratios(points: list[dict[str, Any]], workers: int) -> dict[str, Any]:
@@ -492,7 +513,8 @@ def report(results: dict[str, Any]) -> str:
     lines.append(
         f"paced: {paced['concurrency']} streams, a step every {paced['step_ms']:.1f} ms "
         f"(offered {paced['offered_tok_s']:.0f} tok/s = {paced['offered_vs_bare_capacity']:.2f}x "
-        f"bare capacity), received {paced['tok_s']:.0f} tok/s; added latency per token "
+        f"bare capacity, {paced['offered_vs_chunk_capacity']:.2f}x the lower chunk "
+        f"capacity), received {paced['tok_s']:.0f} tok/s; added latency per token "
         f"p50 {lat['p50_ms']:.2f} ms, p90 {lat['p90_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms, "
         f"max {lat['max_ms']:.2f} ms ({lat['tokens']} tokens)"
     )
@@ -565,7 +587,7 @@ def main() -> None:
         "--paced-fraction",
         type=float,
         default=0.5,
-        help="paced load as a fraction of min(bare, gateway) tok/s at that C",
+        help="paced load as a fraction of min(bare, gateway) chunks/s at that C",
     )
     ap.add_argument("--step-ms", type=float, default=None, help="paced step (overrides fraction)")
     ap.add_argument(

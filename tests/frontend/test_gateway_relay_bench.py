@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from relay_client import GENERATION, MESSAGES, OUTPUTS, RECEIVED, Progress  # type: ignore[import-not-found]  # noqa: E402, I001
 from relay_standins import StandInEngine, Ticker, _ClientStream  # type: ignore[import-not-found]  # noqa: E402, I001
+from gateway_relay import chunk_capacity  # type: ignore[import-not-found]  # noqa: E402, I001
 
 
 def _add(request_id: str, max_tokens: int) -> pb.AddRequest:
@@ -130,6 +131,21 @@ def test_a_held_step_counts_its_hold_in_the_added_latency(tmp_path: Path) -> Non
     raw["records"]["cmpl-a"].append((now, 1))  # a token no step produced: a misjoin
     with pytest.raises(RuntimeError, match="before its step"):
         added_latency(raw, record)
+
+
+def test_the_pace_comes_from_chunks_per_second_not_tokens() -> None:
+    """Paced, each chunk carries one token; unpaced, the gateway's carry several when steps
+    merge, so its tok/s would put the pace near its one-token-per-chunk saturation."""
+    bare = {"tok_s": 88_800.0, "tokens_per_chunk": 1.0}
+    merged = {"tok_s": 76_800.0, "tokens_per_chunk": 2.6}  # 29.5k chunks/s
+    by = {("bare", 256): bare, ("gateway", 256): merged}
+    assert chunk_capacity(by, 256) == pytest.approx(76_800.0 / 2.6)
+    one_per_chunk = {"tok_s": 50_000.0, "tokens_per_chunk": 1.0}  # as before the window
+    assert chunk_capacity({("bare", 1): bare, ("gateway", 1): one_per_chunk}, 1) == 50_000.0
+    slow_bare = {"tok_s": 20_000.0, "tokens_per_chunk": 1.0}
+    assert chunk_capacity({("bare", 8): slow_bare, ("gateway", 8): merged}, 8) == 20_000.0
+    assert chunk_capacity({("bare", 8): bare}, 8) == 88_800.0  # no gateway point: bare's
+    assert chunk_capacity(by, 64) != chunk_capacity(by, 64)  # NaN: no points at that C
 
 
 def test_tiny_run_measures_every_system(tmp_path: Path) -> None:
