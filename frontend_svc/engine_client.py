@@ -1,4 +1,6 @@
-"""The gateway's side of the engine contract: the only module that imports the generated stubs.
+"""The gateway's side of the engine contract: the stream and the unary calls. With
+:mod:`frontend_svc.engine_messages` (the messages as the gateway's types), the only module that
+imports the generated stubs.
 
 One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
 request gets its own :class:`~frontend_svc.output_collector.OutputCollector`; the engine's
@@ -26,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
-from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -35,21 +35,25 @@ import grpc
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine_health import HealthFollower
+from frontend_svc.engine_messages import (
+    add_request,
+    engine_output,
+    error_code,
+    load_figures,
+    lora_adapter,
+    model_info,
+)
 from frontend_svc.engine_types import (
     EngineCallError,
     EngineErrorCode,
     EngineOutput,
-    EnginePoolingParams,
     EngineRequest,
     EngineRequestError,
     EngineUnavailableError,
-    FinishReason,
     LoadFigures,
     LoraAdapter,
     ModelInfo,
-    PoolingTask,
     TokenizerFiles,
-    TokenLogprob,
 )
 from frontend_svc.output_collector import OutputCollector
 from protos.tandem.engine.v1 import engine_pb2 as pb
@@ -63,20 +67,6 @@ OnLoad = Callable[[LoadFigures], None]
 # Per engine message: prompt tokens of the requests whose first token it carries, tokens generated.
 OnStep = Callable[[int, int], None]
 
-_FINISH_REASONS = {
-    pb.FINISH_REASON_STOP: FinishReason.STOP,
-    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    pb.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
-_ERROR_CODES = {
-    pb.ERROR_CODE_INVALID_ARGUMENT: EngineErrorCode.INVALID_ARGUMENT,
-    pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: EngineErrorCode.CONTEXT_LENGTH_EXCEEDED,
-    pb.ERROR_CODE_RESOURCE_EXHAUSTED: EngineErrorCode.RESOURCE_EXHAUSTED,
-    pb.ERROR_CODE_DUPLICATE_REQUEST_ID: EngineErrorCode.DUPLICATE_REQUEST_ID,
-    pb.ERROR_CODE_UNAVAILABLE: EngineErrorCode.UNAVAILABLE,
-    pb.ERROR_CODE_INTERNAL: EngineErrorCode.INTERNAL,
-    pb.ERROR_CODE_NOT_FOUND: EngineErrorCode.NOT_FOUND,
-}
 # The gRPC status of a refused unary call, as the domain's code (anything else: INTERNAL).
 _CALL_STATUSES = {
     grpc.StatusCode.INVALID_ARGUMENT: EngineErrorCode.INVALID_ARGUMENT,
@@ -202,7 +192,7 @@ class EngineClient:
             raise ValueError(f"request id {rid!r} is already in flight")
         handle = OpenRequest(self, rid, self._epoch)
         self._collectors[rid] = handle.collector
-        outbox.put_nowait(pb.EngineCoreRequest(add=_add_request(request)))
+        outbox.put_nowait(pb.EngineCoreRequest(add=add_request(request)))
         return handle
 
     def _release(self, handle: OpenRequest) -> None:
@@ -246,7 +236,7 @@ class EngineClient:
         """Load a PEFT adapter directory under ``name`` (``pin``: keep it on the device)."""
         request = pb.AddLoraRequest(lora_name=name, lora_path=path, pin=pin)
         reply = await self._call("AddLora", lambda stub: stub.AddLora(request))
-        return _lora(reply.lora)
+        return lora_adapter(reply.lora)
 
     async def remove_lora(self, name: str) -> None:
         request = pb.RemoveLoraRequest(lora_name=name)
@@ -258,7 +248,7 @@ class EngineClient:
         reply = await self._call(
             "ListLoras", lambda stub: stub.ListLoras(pb.ListLorasRequest(), timeout=timeout)
         )
-        return tuple(_lora(lo) for lo in reply.loras)
+        return tuple(lora_adapter(lo) for lo in reply.loras)
 
     async def pin_lora(self, name: str) -> None:
         request = pb.PinLoraRequest(lora_name=name)
@@ -355,7 +345,7 @@ class EngineClient:
         watcher: asyncio.Task[None] | None = None
         try:
             stub = self._stub = pb_grpc.EngineStub(channel)
-            info = _model_info(
+            info = model_info(
                 await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._rpc_timeout_s)
             )
             files = await self._fetch_tokenizer(stub)
@@ -429,13 +419,13 @@ class EngineClient:
 
     def _dispatch(self, message: pb.EngineCoreOutputs) -> None:
         if message.HasField("load") and self._on_load is not None:
-            self._on_load(_load(message.load))
+            self._on_load(load_figures(message.load))
         collectors = self._collectors
         prompt_tokens = generation_tokens = 0  # of the requests still listened to, as vLLM counts
         for out in message.outputs:
             collector = collectors.get(out.request_id)
             if collector is not None:
-                output = _output(out)
+                output = engine_output(out)
                 num_new = len(output.new_token_ids)
                 # The prompt counts once: with a request's first token, or with a pooling
                 # request's result (vLLM counts both).
@@ -449,7 +439,7 @@ class EngineClient:
         for err in message.errors:
             collector = collectors.get(err.request_id)
             if collector is not None:
-                code = _ERROR_CODES.get(err.code, EngineErrorCode.INTERNAL)
+                code = error_code(err.code)
                 collector.fail(EngineRequestError(code, err.message))
 
     def _fail_in_flight(self, reason: str) -> None:
@@ -468,187 +458,3 @@ async def _drain(
     """The Stream's request iterator; ``None`` half-closes it."""
     while (item := await outbox.get()) is not None:
         yield item
-
-
-# -- protobuf <-> domain -------------------------------------------------------------------------
-
-
-def _add_request(request: EngineRequest) -> pb.AddRequest:
-    if request.pooling_params is not None:
-        return _add_pooling_request(request, request.pooling_params)
-    sp = request.sampling_params
-    params = pb.SamplingParams(
-        min_tokens=sp.min_tokens,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        allowed_token_ids=list(sp.allowed_token_ids),
-        logit_bias=dict(sp.logit_bias),
-        bad_words=[pb.TokenIds(token_ids=list(w)) for w in sp.bad_words],
-    )
-    optionals = {
-        "max_tokens": sp.max_tokens,
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "seed": sp.seed,
-        "repetition_penalty": sp.repetition_penalty,
-        "logprobs": sp.logprobs,
-        "prompt_logprobs": sp.prompt_logprobs,
-    }
-    for name, value in optionals.items():
-        if value is not None:
-            setattr(params, name, value)
-    so = sp.structured_output
-    if so is not None:
-        constraint = params.structured_output
-        if so.kind == "choice":
-            constraint.choice.choices.extend(so.choices)
-        elif so.kind == "json_object":
-            constraint.json_object = True
-        else:
-            setattr(constraint, so.kind, so.spec)
-    return pb.AddRequest(
-        request_id=request.request_id,
-        prompt_token_ids=list(request.prompt_token_ids),
-        sampling_params=params,
-        priority=request.priority,
-        arrival_time=request.arrival_time,
-        lora_name=request.lora_name,
-    )
-
-
-_POOLING_TASKS = {
-    PoolingTask.EMBED: pb.POOLING_TASK_EMBED,
-    PoolingTask.CLASSIFY: pb.POOLING_TASK_CLASSIFY,
-    PoolingTask.SCORE: pb.POOLING_TASK_SCORE,
-}
-
-
-def _add_pooling_request(request: EngineRequest, pp: EnginePoolingParams) -> pb.AddRequest:
-    params = pb.PoolingParams(task=_POOLING_TASKS[pp.task])
-    if pp.dimensions is not None:
-        params.dimensions = pp.dimensions
-    if pp.normalize is not None:
-        params.normalize = pp.normalize
-    if pp.activation is not None:
-        params.activation = pp.activation
-    return pb.AddRequest(
-        request_id=request.request_id,
-        prompt_token_ids=list(request.prompt_token_ids),
-        priority=request.priority,
-        arrival_time=request.arrival_time,
-        pooling_params=params,
-        lora_name=request.lora_name,
-    )
-
-
-def _logprobs(entries: Iterable[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
-    return tuple(
-        TokenLogprob(
-            token_id=e.token_id,
-            logprob=e.logprob,
-            rank=e.rank,
-            top=tuple((t.token_id, t.logprob) for t in e.top_logprobs),
-        )
-        for e in entries
-    )
-
-
-def _output(out: pb.RequestOutput) -> EngineOutput:
-    # Called for every request of every engine step: the empty repeated fields and the unset
-    # finish are skipped rather than converted.
-    finish = out.finish_reason
-    timed = out.HasField("queued_time_s")  # only with the first token and in the last output
-    ids = out.new_token_ids
-    return EngineOutput(
-        out.request_id,
-        (ids[0],) if len(ids) == 1 else tuple(ids),  # one token: 0.2 us, where tuple() is 0.4
-        _logprobs(out.logprobs) if out.logprobs else (),
-        _logprobs(out.prompt_logprobs) if out.prompt_logprobs else (),
-        _FINISH_REASONS.get(finish) if finish else None,
-        out.stop_reason if finish and out.HasField("stop_reason") else None,
-        out.num_cached_tokens,
-        out.num_prompt_tokens,
-        out.queued_time_s if timed else None,
-        out.prefill_time_s if timed else None,
-        out.decode_time_s if finish and out.HasField("decode_time_s") else None,
-        # Only a final output can carry a pooled result: no cost per generated token.
-        _pooled(out.pooled) if finish and out.HasField("pooled") else None,
-    )
-
-
-def _pooled(pooled: pb.PooledData) -> array[float]:
-    """The packed floats as float32 values, copied from the message's wire bytes (field 1,
-    packed: its tag, a varint length, then little-endian float32s): ~2 us for 4,096 values,
-    where a Python float each costs ~150 us and 24 bytes."""
-    raw = pooled.SerializeToString()
-    values: array[float] = array("f")
-    if not raw:
-        return values
-    length, start, shift = 0, 1, 0
-    while start < len(raw) and raw[start] & 0x80:  # the length, base-128, low bits first
-        length |= (raw[start] & 0x7F) << shift
-        start, shift = start + 1, shift + 7
-    if start >= len(raw) or raw[0] != 0x0A:  # not field 1 packed: convert value by value
-        return array("f", pooled.data)
-    length |= raw[start] << shift
-    if start + 1 + length != len(raw) or length % 4:  # fields this client does not know
-        return array("f", pooled.data)
-    values.frombytes(raw[start + 1 :])
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values
-
-
-def _load(load: pb.LoadStats) -> LoadFigures:
-    return LoadFigures(
-        num_running=load.num_running_requests,
-        num_waiting=load.num_waiting_requests,
-        kv_cache_usage=load.kv_cache_usage,
-        prefix_cache_queries=load.prefix_cache_queries,
-        prefix_cache_hits=load.prefix_cache_hits,
-        num_preemptions=load.num_preemptions,
-        # (Empty unless the engine serves LoRA adapters: no tuple built then.)
-        running_lora_adapters=tuple(r) if (r := load.running_lora_adapters) else (),
-        waiting_lora_adapters=tuple(w) if (w := load.waiting_lora_adapters) else (),
-    )
-
-
-def _model_info(info: pb.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(
-        served_model_name=info.served_model_name,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=tuple(info.eos_token_ids),
-        bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
-        block_size=info.block_size,
-        num_kv_blocks=info.num_kv_blocks,
-        kv_capacity_tokens=info.kv_capacity_tokens,
-        max_logprobs=info.max_logprobs,
-        model_source=info.model_source,
-        engine_version=info.engine_version,
-        enable_prefix_caching=info.enable_prefix_caching,
-        kv_cache_dtype=info.kv_cache_dtype,
-        # An engine that predates pooling leaves the list empty: it generates.
-        supported_tasks=tuple(info.supported_tasks) or ("generate",),
-        embedding_size=info.embedding_size,
-        pooling_type=info.pooling_type,
-        is_matryoshka=info.is_matryoshka,
-        matryoshka_dimensions=tuple(info.matryoshka_dimensions),
-        labels=tuple(info.labels),
-        max_loras=info.max_loras,
-        max_lora_rank=info.max_lora_rank,
-    )
-
-
-def _lora(info: pb.LoraInfo) -> LoraAdapter:
-    return LoraAdapter(
-        name=info.lora_name,
-        path=info.lora_path,
-        rank=info.rank,
-        pinned=info.pinned,
-        on_device=info.on_device,
-    )

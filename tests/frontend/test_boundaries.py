@@ -29,10 +29,10 @@ def test_gateway_does_not_import_torch() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_only_the_engine_client_imports_the_stubs() -> None:
+def test_only_the_engine_client_and_its_messages_import_the_stubs() -> None:
     importers = sorted(
         str(p.relative_to(ROOT))
         for p in (ROOT / "frontend_svc").rglob("*.py")
         if "protos.tandem" in p.read_text() or "engine_pb2" in p.read_text()
     )
-    assert importers == ["frontend_svc/engine_client.py"]
+    assert importers == ["frontend_svc/engine_client.py", "frontend_svc/engine_messages.py"]

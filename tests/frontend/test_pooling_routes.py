@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from frontend_svc.engine_client import _pooled
+from frontend_svc.engine_messages import pooled_values
 from frontend_svc.engine_types import ModelInfo
 from frontend_svc.errors import ApiError
 from frontend_svc.generation import POOLING_MAX_IN_FLIGHT
@@ -336,11 +336,11 @@ def test_pooled_values_cross_the_adapter_exactly(n: int) -> None:
     as the parsed field, for any length of the length varint."""
     values = array("f", [math.sin(i) * 10 ** (i % 7 - 3) for i in range(n)]).tolist()
     message = pb.PooledData(data=values)
-    got = _pooled(message)
+    got = pooled_values(message)
     assert got.typecode == "f" and got.tolist() == list(message.data) == values
     # A field this client does not know yet (kept as an unknown field): still right.
     newer = pb.PooledData.FromString(message.SerializeToString() + b"\x10\x05")
-    assert _pooled(newer).tolist() == values
+    assert pooled_values(newer).tolist() == values
 
 
 def test_a_model_that_does_not_embed(serve: Callable[[str], Served]) -> None:

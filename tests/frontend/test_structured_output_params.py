@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.engine_client import _add_request
+from frontend_svc.engine_messages import add_request
 from frontend_svc.engine_types import (
     EngineErrorCode,
     EngineRequest,
@@ -185,7 +185,7 @@ def test_malformed_constraints_are_400s_naming_the_field(
 def test_constraint_on_the_wire(constraint: StructuredOutput, kind: str, value: object) -> None:
     params = _chat(temperature=0.5).engine_params(8, 0)
     params = type(params)(**{**params.__dict__, "structured_output": constraint})
-    msg = _add_request(EngineRequest("r", (1, 2), params)).sampling_params
+    msg = add_request(EngineRequest("r", (1, 2), params)).sampling_params
     assert msg.HasField("structured_output")
     assert msg.structured_output.WhichOneof("kind") == kind
     assert getattr(msg.structured_output, kind) == value
@@ -193,9 +193,9 @@ def test_constraint_on_the_wire(constraint: StructuredOutput, kind: str, value: 
 
 def test_choice_on_the_wire_and_no_constraint() -> None:
     params = _chat(guided_choice=["a", "b c"]).engine_params(8, 0)
-    msg = _add_request(EngineRequest("r", (1,), params)).sampling_params
+    msg = add_request(EngineRequest("r", (1,), params)).sampling_params
     assert list(msg.structured_output.choice.choices) == ["a", "b c"]
-    plain = _add_request(EngineRequest("r", (1,), _chat().engine_params(8, 0))).sampling_params
+    plain = add_request(EngineRequest("r", (1,), _chat().engine_params(8, 0))).sampling_params
     assert not plain.HasField("structured_output")
 
 
