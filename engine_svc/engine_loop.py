@@ -85,11 +85,13 @@ class LoadFigures:
 
 @dataclass
 class ClientBatch:
-    """What one client receives for one engine step."""
+    """What one client receives for one engine step (or several merged: ``step_tokens``)."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     errors: list[tuple[str, Exception]] = field(default_factory=list)  # (request id, error)
     load: LoadFigures | None = None
+    # Several steps merged (rpc/stream_outbox.py): this client's tokens in each, in order.
+    step_tokens: tuple[int, ...] = ()
 
 
 Sink = Callable[[ClientBatch], None]

@@ -28,7 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Sequence,
+)
 from typing import Any, TypeVar
 
 import grpc
@@ -64,8 +71,9 @@ T = TypeVar("T")
 
 OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
 OnLoad = Callable[[LoadFigures], None]
-# Per engine message: prompt tokens of the requests whose first token it carries, tokens generated.
-OnStep = Callable[[int, int], None]
+# Per engine message: prompt tokens of the requests whose first token it carries, tokens generated,
+# and when the message merges several engine steps, the engine's count of each one's tokens.
+OnStep = Callable[[int, int, Sequence[int]], None]
 
 # The gRPC status of a refused unary call, as the domain's code (anything else: INTERNAL).
 _CALL_STATUSES = {
@@ -435,7 +443,7 @@ class EngineClient:
                 generation_tokens += num_new
                 collector.put(output)
         if (generation_tokens or prompt_tokens) and self._on_step is not None:
-            self._on_step(prompt_tokens, generation_tokens)
+            self._on_step(prompt_tokens, generation_tokens, message.step_tokens)
         for err in message.errors:
             collector = collectors.get(err.request_id)
             if collector is not None:

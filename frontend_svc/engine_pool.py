@@ -61,7 +61,7 @@ OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
 OnLoad = Callable[[str, LoadFigures], None]
 OnRoute = Callable[[str, int], None]  # engine address, prompt tokens expected to hit its cache
 OnAccept = Callable[[str, ModelInfo], None]  # an engine (re)connected and joined the rotation
-OnStep = Callable[[str, int, int], None]  # engine address, then as EngineClient's on_step
+OnStep = Callable[[str, int, int, Sequence[int]], None]  # engine address, then EngineClient's
 
 # Failures that leave the request untouched on the engine, so another engine may take it.
 _RETRYABLE_CODES = (EngineErrorCode.RESOURCE_EXHAUSTED, EngineErrorCode.UNAVAILABLE)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -345,13 +345,25 @@ class Metrics:
         if old is not None:
             self._drop(self.lora_info, old[0])
 
-    def observe_step(self, engine: str, prompt_tokens: int, generation_tokens: int) -> None:
-        """One engine message: the prompts it completed and the tokens it generated."""
+    def observe_step(
+        self,
+        engine: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        step_tokens: Sequence[int] = (),
+    ) -> None:
+        """One engine message: the prompts it completed and the tokens it generated; when it
+        merges several engine steps, ``step_tokens``: the engine's count of each one's tokens."""
         m = self.model_name
         if prompt_tokens:
             self.child(self.prompt_tokens, m, engine).inc(prompt_tokens)
         self.child(self.generation_tokens, m, engine).inc(generation_tokens)
-        self.child(self.iteration_tokens, m, engine).observe(prompt_tokens + generation_tokens)
+        iteration = self.child(self.iteration_tokens, m, engine)
+        if not step_tokens:
+            iteration.observe(prompt_tokens + generation_tokens)
+        for n in step_tokens:
+            if n:  # (a step that only ended or refused requests generated nothing here)
+                iteration.observe(n)
 
     def forget_engine(self, engine: str) -> None:
         """An engine left for good: drop its gauges (its counters stay, as totals do)."""

@@ -395,6 +395,7 @@ class EngineCore:
                 finish_reason=request.finish_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_prompt_tokens=request.num_prompt_tokens,
+                first=True,
                 phase_times=request.phase_times(now),
                 pooled=result.pooled[rid],
             )
@@ -409,6 +410,7 @@ class EngineCore:
         )
         first = request.num_output_tokens == 1
         if first:
+            out.first = True
             request.first_token_ts = now
         if first or out.finished:
             out.phase_times = request.phase_times(now)

@@ -21,6 +21,9 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    # This output carries the request's first token (or a pooling request's result): where its
+    # prompt is counted, once (vLLM's iteration tokens), also after a preemption's recompute.
+    first: bool = False
     # With the first token and with the last output: the phases so far (the contract's
     # queued_time_s / prefill_time_s / decode_time_s).
     phase_times: PhaseTimes | None = None

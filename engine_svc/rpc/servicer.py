@@ -360,4 +360,6 @@ def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:
     )
     if batch.load is not None:
         msg.load.CopyFrom(convert.load_to_pb(batch.load))
+    if batch.step_tokens:
+        msg.step_tokens.extend(batch.step_tokens)
     return msg

@@ -9,7 +9,9 @@ client rather than a backlog that grows with every step.
 Merging keeps the contract's rules: a message has at most one entry per request id, holding that
 request's tokens (and logprobs) of every merged step in order and the latest value of its other
 fields; no output follows a finished one or an error for the same id, so a request id that
-ended and was reused (or refused twice) starts a new message.
+ended and was reused (or refused twice) starts a new message. A merged message also says how
+many tokens each of its steps carried (``step_tokens``), so the client's per-step figures
+(vLLM's iteration_tokens) stay exact.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ class _Merged:
     """Consecutive steps merged into one message. The first step's batch is kept as it is; the
     lookups that merging needs are built only when a second step comes (most never does)."""
 
-    __slots__ = ("outputs", "errors", "load", "_index", "_copied", "_ended")
+    __slots__ = ("outputs", "errors", "load", "step_tokens", "_index", "_copied", "_ended")
 
     def __init__(self, batch: ClientBatch) -> None:
         self.outputs, self.errors, self.load = batch.outputs, batch.errors, batch.load
+        self.step_tokens: list[int] = []  # each step's tokens, counted once a second one comes
         self._index: dict[str, int] | None = None
         self._copied: set[str] = set()  # entries that are our own copies, safe to extend in place
         self._ended: set[str] = set()  # ids nothing may follow in this message: finished, failed
@@ -49,6 +52,9 @@ class _Merged:
         )
 
     def merge(self, batch: ClientBatch) -> None:
+        if not self.step_tokens:  # (the first step's outputs, not yet extended)
+            self.step_tokens.append(_tokens(self.outputs))
+        self.step_tokens.append(_tokens(batch.outputs))
         index = self._lookups()
         for o in batch.outputs:
             rid = o.request_id
@@ -84,7 +90,12 @@ class _Merged:
         return a
 
     def batch(self) -> ClientBatch:
-        return ClientBatch(self.outputs, self.errors, self.load)
+        return ClientBatch(self.outputs, self.errors, self.load, tuple(self.step_tokens))
+
+
+def _tokens(outputs: list[EngineCoreOutput]) -> int:
+    """A step's tokens for one client: the prompts it completed plus the tokens it generated."""
+    return sum(len(o.new_token_ids) + (o.num_prompt_tokens if o.first else 0) for o in outputs)
 
 
 class StreamOutbox:

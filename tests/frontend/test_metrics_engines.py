@@ -215,6 +215,20 @@ def test_tokens_per_engine_message_as_vllm_counts_them() -> None:
     assert value(m, "vllm:generation_tokens_total", model_name="m", engine="b:2") == 1
 
 
+def test_a_merged_message_is_one_iteration_observation_per_step() -> None:
+    """A gateway that fell behind gets several engine steps in one message: the histogram takes
+    the engine's count of each step (a step with none of this client's tokens is not one); the
+    token totals come from the outputs as always."""
+    m = Metrics("m")
+    m.observe_step("a:1", 12, 6, (14, 2, 0, 2))
+    a = {"model_name": "m", "engine": "a:1"}
+    assert value(m, "vllm:prompt_tokens_total", **a) == 12
+    assert value(m, "vllm:generation_tokens_total", **a) == 6
+    assert value(m, "vllm:iteration_tokens_total_count", **a) == 3
+    assert value(m, "vllm:iteration_tokens_total_sum", **a) == 18
+    assert value(m, "vllm:iteration_tokens_total_bucket", **a, le="8.0") == 2  # not one of 18
+
+
 def _out(
     *tokens: int,
     finish: FinishReason | None = None,

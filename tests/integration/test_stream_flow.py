@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -84,12 +85,22 @@ def test_a_full_window_holds_the_steps_and_sends_them_merged(stub: pb_grpc.Engin
         reader.next(timeout=0.5)
     session.flow(messages_read=1)
     messages.append(reader.next())
-    # The steps of the half second the window was full came as one message.
-    assert len(messages[1].outputs) == 1 and len(messages[1].outputs[0].new_token_ids) > 1
+    # The steps of the half second the window was full came as one message, saying how many
+    # tokens each step carried (one: a decode step of the one request).
+    held = messages[1].outputs
+    assert len(held) == 1 and len(held[0].new_token_ids) > 1
+    assert list(messages[1].step_tokens) == [1] * len(held[0].new_token_ids)
     while not messages[-1].outputs[-1].finish_reason:
         session.flow(messages_read=len(messages))
         messages.append(reader.next())
     assert _tokens(messages, "flow-1") == expected
+    # Per step, merged or not: the prompt once, with the first token, then a token a step (a
+    # message of one step does not list it: its tokens, plus the prompt with the first one).
+    steps: list[int] = []
+    for m in messages:
+        tokens = sum(len(o.new_token_ids) for o in m.outputs)
+        steps.extend(m.step_tokens or [tokens + (len(PROMPT) if m is messages[0] else 0)])
+    assert steps == [len(PROMPT) + 1] + [1] * 23
     last = messages[-1].outputs[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.num_prompt_tokens == len(PROMPT)
     assert last.HasField("decode_time_s") and messages[-1].HasField("load")
@@ -135,6 +146,42 @@ def test_many_requests_under_a_window_of_one(stub: pb_grpc.EngineStub) -> None:
         finished |= {o.request_id for o in message.outputs if o.finish_reason}
         session.flow(messages_read=len(messages))
     assert {rid: _tokens(messages, rid) for rid in lengths} == expected
+    session.half_close()
+    assert reader.ended()
+
+
+def test_merged_steps_keep_their_token_counts(stub: pb_grpc.EngineStub) -> None:
+    """Requests that start while the client's window is full get their first tokens in a merged
+    message; its per-step counts (vLLM's iteration tokens) still hold each prompt once, so over
+    the stream they add up to every prompt plus every token generated."""
+    prompts = {"it-a": PROMPT, "it-b": [310, 311], "it-c": [320, 321, 322, 323]}
+    lengths = {"it-a": 30, "it-b": 6, "it-c": 6}
+    session = StreamSession(stub)
+    session.flow(window=1)
+    session.add(add_request("it-a", prompts["it-a"], lengths["it-a"]))
+    reader = Reader(session)
+    messages = [reader.next()]  # the window is full from here until the report below
+    for rid in ("it-b", "it-c"):
+        session.add(add_request(rid, prompts[rid], lengths[rid]))
+    time.sleep(0.5)
+    finished: set[str] = set()
+    while True:
+        finished |= {o.request_id for o in messages[-1].outputs if o.finish_reason}
+        if finished == set(lengths):
+            break
+        session.flow(messages_read=len(messages))
+        messages.append(reader.next())
+    merged = [m for m in messages if m.step_tokens]
+    assert any({"it-b", "it-c"} <= {o.request_id for o in m.outputs} for m in merged)
+    steps: list[int] = []
+    seen: set[str] = set()
+    for m in messages:  # a message of one step: its tokens, plus the prompts it completed
+        firsts = {o.request_id for o in m.outputs if o.new_token_ids} - seen
+        seen |= firsts
+        tokens = sum(len(o.new_token_ids) for o in m.outputs)
+        steps.extend(m.step_tokens or [tokens + sum(len(prompts[r]) for r in firsts)])
+    assert sum(steps) == sum(map(len, prompts.values())) + sum(lengths.values())
+    assert all(n > 0 for n in steps)
     session.half_close()
     assert reader.ended()
 
@@ -235,3 +282,44 @@ def test_the_gateways_client_under_other_windows_gets_every_token(
             await client.close()
 
     assert asyncio.run(scenario()) == expected
+
+
+def test_the_gateways_client_hands_on_each_merged_steps_tokens(engine: Engine) -> None:
+    """A gateway whose loop stalls gets the steps merged; what it reports per engine message
+    (its on_step, behind vllm:iteration_tokens_total) then carries the engine's count of each
+    step, and over the run the counts add up to the prompt once plus every token."""
+    import asyncio
+    import contextlib
+
+    from frontend_svc.config import BackoffConfig
+    from frontend_svc.engine_client import EngineClient
+    from frontend_svc.engine_types import EngineRequest, EngineSamplingParams
+
+    calls: list[tuple[int, int, list[int]]] = []
+
+    async def scenario() -> None:
+        client = EngineClient(
+            engine.address,
+            BackoffConfig(0.05, 0.2),
+            window=1,
+            on_step=lambda p, g, steps: calls.append((p, g, list(steps))),
+        )
+        client.start()
+        try:
+            assert await client.wait_connected(30)
+            params = EngineSamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+            request = EngineRequest("merged-steps", tuple(PROMPT), params)
+            async with contextlib.aclosing(client.generate(request)) as outputs:
+                async for out in outputs:
+                    if len(calls) == 1:
+                        time.sleep(0.5)  # the whole loop stalls: the engine holds its steps
+                    if out.finish_reason is not None:
+                        break
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+    assert any(steps for _, _, steps in calls), calls  # at least one message merged steps
+    assert sum(p + g for p, g, _ in calls) == len(PROMPT) + 40
+    per_step = [n for p, g, steps in calls for n in (steps or [p + g])]
+    assert per_step == [len(PROMPT) + 1] + [1] * 39

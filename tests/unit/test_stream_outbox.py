@@ -58,6 +58,23 @@ def test_steps_queued_behind_a_write_merge_per_request_in_order() -> None:
     assert first.finish_reason is None
 
 
+def test_a_merged_message_counts_each_steps_tokens() -> None:
+    """vLLM's iteration tokens per step: the prompts whose first token (or pooled result) the
+    step produced plus the tokens it generated, for this client."""
+    box = StreamOutbox()
+    box.add(ClientBatch([out("a", 1, num_prompt_tokens=12, first=True)]))
+    assert box.take().step_tokens == ()  # one step: its outputs say it all
+    box.add(ClientBatch([out("a", 2, num_prompt_tokens=12), out("b", 5, num_prompt_tokens=3)]))
+    box.add(ClientBatch([out("a", 3, 4, num_prompt_tokens=12), out("b", 6, num_prompt_tokens=3)]))
+    assert box.take().step_tokens == (2, 3)  # b's prompt was done in an earlier message
+    box.add(ClientBatch([out("c", 7, num_prompt_tokens=5, first=True), out("a", 8)]))
+    box.add(ClientBatch([out("p", num_prompt_tokens=9, first=True, finish=FinishReason.STOP)]))
+    box.add(ClientBatch([out("a", finish=FinishReason.ABORT, num_prompt_tokens=12)]))
+    box.add(ClientBatch([], errors=[("d", ValueError("no"))]))
+    assert box.steps_merged == 1 + 3
+    assert box.take().step_tokens == (7, 9, 0, 0)  # pooled p counts its prompt; aborts, errors 0
+
+
 def test_a_reused_request_id_starts_a_new_message() -> None:
     """Ids may be reused once finished: the new request's output must not fold into the old."""
     box = StreamOutbox()

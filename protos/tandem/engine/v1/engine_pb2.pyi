@@ -266,16 +266,18 @@ class LoadStats(_message.Message):
     def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineCoreOutputs(_message.Message):
-    __slots__ = ("outputs", "errors", "load", "timestamp")
+    __slots__ = ("outputs", "errors", "load", "timestamp", "step_tokens")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     load: LoadStats
     timestamp: float
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., load: _Optional[_Union[LoadStats, _Mapping]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    step_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., load: _Optional[_Union[LoadStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., step_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request",)
