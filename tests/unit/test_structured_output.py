@@ -205,6 +205,29 @@ def test_length_bounded_strings_keep_control_characters_out(
         assert (matcher.accept_string(text) and matcher.is_completed()) == ok, repr(text)
 
 
+def test_string_lengths_count_characters_not_bytes(manager: StructuredOutputManager) -> None:
+    """JSON Schema's minLength/maxLength count characters: two- to four-byte UTF-8 characters
+    count one each, as ASCII ones do (the rewrite to a pattern keeps that)."""
+    import xgrammar as xgr
+
+    schema = {"type": "string", "minLength": 2, "maxLength": 3}
+    grammar = _ready(manager.grammar_for(StructuredOutputParams(json_schema=schema)))
+    for text, ok in (
+        ("ab", True),
+        ("abc", True),
+        ("abcd", False),
+        ("a", False),
+        ("ééé", True),  # 6 bytes
+        ("日本語", True),  # 9 bytes
+        ("😀😀😀", True),  # 12 bytes
+        ("日本語x", False),
+        ("é", False),  # 2 bytes, one character
+    ):
+        matcher = xgr.GrammarMatcher(grammar.future.result())
+        accepted = matcher.accept_string(json.dumps(text, ensure_ascii=False))
+        assert (accepted and matcher.is_completed()) == ok, text
+
+
 def test_matcher_follows_the_tokens_and_terminates_on_eos(
     manager: StructuredOutputManager, tokenizer_dir: Path
 ) -> None:
