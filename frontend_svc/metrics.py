@@ -8,10 +8,11 @@ vLLM has an engine index). Where the figures come from:
 * engine load (``num_requests_running`` / ``waiting``, KV usage) arrives with every engine
   message; its cumulative figures (prefix cache, preemptions) are turned into counter increments,
   starting over when an engine restarts;
-* token counts per engine message (``prompt_tokens``, ``generation_tokens``,
-  ``iteration_tokens_total``) are counted as vLLM's front end counts its engine's outputs: a
-  request's prompt once, with its first token, and the tokens generated; several gateways (or
-  ``--workers``) each count their own requests' share of a step, as vLLM's API servers do;
+* token counts (``prompt_tokens``, ``generation_tokens``, ``iteration_tokens_total``) are
+  counted as vLLM's front end counts its engine's outputs: a request's prompt once, with its
+  first token, and the tokens generated; the iteration histogram per engine step (a message
+  that merges steps lists each one's count); several gateways (or ``--workers``) each count
+  their own requests' share of a step, as vLLM's API servers do;
 * per-sequence latencies (TTFT, inter-token, end to end) are timed by the gateway; the queue,
   prefill and decode times are the engine's own (RequestOutput.queued_time_s ...), except the
   decode time of a sequence the gateway ended itself (a stop string), timed here;
@@ -359,11 +360,14 @@ class Metrics:
             self.child(self.prompt_tokens, m, engine).inc(prompt_tokens)
         self.child(self.generation_tokens, m, engine).inc(generation_tokens)
         iteration = self.child(self.iteration_tokens, m, engine)
-        if not step_tokens:
-            iteration.observe(prompt_tokens + generation_tokens)
-        for n in step_tokens:
-            if n:  # (a step that only ended or refused requests generated nothing here)
+        # The engine's per-step counts take in requests this gateway no longer listens to (left
+        # early; their last outputs still come): then one observation of what it did count, so
+        # the histogram's sum stays the token totals.
+        if step_tokens and sum(step_tokens) == prompt_tokens + generation_tokens:
+            for n in step_tokens:
                 iteration.observe(n)
+        else:
+            iteration.observe(prompt_tokens + generation_tokens)
 
     def forget_engine(self, engine: str) -> None:
         """An engine left for good: drop its gauges (its counters stay, as totals do)."""

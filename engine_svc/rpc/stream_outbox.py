@@ -31,7 +31,7 @@ class _Merged:
 
     def __init__(self, batch: ClientBatch) -> None:
         self.outputs, self.errors, self.load = batch.outputs, batch.errors, batch.load
-        self.step_tokens: list[int] = []  # each step's tokens, counted once a second one comes
+        self.step_tokens: list[int] | None = None  # each step's tokens, once a second one comes
         self._index: dict[str, int] | None = None
         self._copied: set[str] = set()  # entries that are our own copies, safe to extend in place
         self._ended: set[str] = set()  # ids nothing may follow in this message: finished, failed
@@ -52,9 +52,11 @@ class _Merged:
         )
 
     def merge(self, batch: ClientBatch) -> None:
-        if not self.step_tokens:  # (the first step's outputs, not yet extended)
-            self.step_tokens.append(_tokens(self.outputs))
-        self.step_tokens.append(_tokens(batch.outputs))
+        # Each step that carried tokens (not the batches of aborts or refusals between steps).
+        if self.step_tokens is None:  # (the first step's outputs, not yet extended)
+            self.step_tokens = [n] if (n := _tokens(self.outputs)) else []
+        if n := _tokens(batch.outputs):
+            self.step_tokens.append(n)
         index = self._lookups()
         for o in batch.outputs:
             rid = o.request_id
@@ -90,7 +92,10 @@ class _Merged:
         return a
 
     def batch(self) -> ClientBatch:
-        return ClientBatch(self.outputs, self.errors, self.load, tuple(self.step_tokens))
+        steps = self.step_tokens
+        return ClientBatch(
+            self.outputs, self.errors, self.load, tuple(steps) if steps and len(steps) > 1 else ()
+        )
 
 
 def _tokens(outputs: list[EngineCoreOutput]) -> int:

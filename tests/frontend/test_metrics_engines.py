@@ -220,13 +220,18 @@ def test_a_merged_message_is_one_iteration_observation_per_step() -> None:
     the engine's count of each step (a step with none of this client's tokens is not one); the
     token totals come from the outputs as always."""
     m = Metrics("m")
-    m.observe_step("a:1", 12, 6, (14, 2, 0, 2))
+    m.observe_step("a:1", 12, 6, (14, 2, 2))
     a = {"model_name": "m", "engine": "a:1"}
     assert value(m, "vllm:prompt_tokens_total", **a) == 12
     assert value(m, "vllm:generation_tokens_total", **a) == 6
     assert value(m, "vllm:iteration_tokens_total_count", **a) == 3
     assert value(m, "vllm:iteration_tokens_total_sum", **a) == 18
     assert value(m, "vllm:iteration_tokens_total_bucket", **a, le="8.0") == 2  # not one of 18
+    # The engine also counted tokens of a request this gateway left: one observation of its own.
+    m.observe_step("a:1", 0, 3, (2, 2, 2))
+    assert value(m, "vllm:iteration_tokens_total_count", **a) == 4
+    assert value(m, "vllm:iteration_tokens_total_sum", **a) == 18 + 3
+    assert value(m, "vllm:generation_tokens_total", **a) == 6 + 3
 
 
 def _out(

@@ -354,6 +354,11 @@ def test_preempted_pooling_requests_recompute_and_match(tiny_models: dict[str, P
         for o in step.outputs:
             outs.setdefault(o.request_id, []).append(o)
     assert preemptions > 0
+    # Where the prompt counts (vLLM's iteration tokens): once per request, with its first token
+    # or its pooled result, in a run where preemptions make prompts compute again.
+    for rid, seq in outs.items():
+        assert [o.first for o in seq] == [True] + [False] * (len(seq) - 1), rid
+        assert seq[0].new_token_ids or seq[0].pooled is not None, rid
     for i, p in enumerate(pool_prompts):
         (final,) = outs[f"p{i}"]
         np.testing.assert_allclose(final.pooled, _want(model_dir, p, "MEAN"), **TOL)

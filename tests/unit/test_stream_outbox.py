@@ -72,7 +72,10 @@ def test_a_merged_message_counts_each_steps_tokens() -> None:
     box.add(ClientBatch([out("a", finish=FinishReason.ABORT, num_prompt_tokens=12)]))
     box.add(ClientBatch([], errors=[("d", ValueError("no"))]))
     assert box.steps_merged == 1 + 3
-    assert box.take().step_tokens == (7, 9, 0, 0)  # pooled p counts its prompt; aborts, errors 0
+    assert box.take().step_tokens == (7, 9)  # pooled p counts its prompt; aborts, errors: none
+    box.add(ClientBatch([out("e", 1, num_prompt_tokens=4, first=True)]))
+    box.add(ClientBatch([out("e", finish=FinishReason.ABORT)]))
+    assert box.steps_merged == 5 and box.take().step_tokens == ()  # one step with tokens
 
 
 def test_a_reused_request_id_starts_a_new_message() -> None:
