@@ -309,10 +309,12 @@ def test_the_gateways_client_hands_on_each_merged_steps_tokens(engine: Engine) -
             assert await client.wait_connected(30)
             params = EngineSamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
             request = EngineRequest("merged-steps", tuple(PROMPT), params)
+            stalled = False
             async with contextlib.aclosing(client.generate(request)) as outputs:
                 async for out in outputs:
-                    if len(calls) == 1:
-                        time.sleep(0.5)  # the whole loop stalls: the engine holds its steps
+                    if not stalled:  # the whole loop stalls once: the engine holds its steps
+                        stalled = True
+                        time.sleep(0.5)
                     if out.finish_reason is not None:
                         break
         finally:
