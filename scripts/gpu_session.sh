@@ -11,7 +11,8 @@
 #   kernels    benchmarks/kernels_decode.py -> $OUT/kernels_decode.json
 #   throughput benchmarks/throughput.py --device cuda on the llama-h512 shape -> $OUT/throughput_cuda.json
 #   relay      benchmarks/gateway_relay.py (16 cores: the gateway-relay issue's targets) ->
-#              $OUT/gateway_relay_h200.json
+#              $OUT/gateway_relay_h200.json; ~6 minutes (three paced pairs since 2026-11-23):
+#              give it a call of its own, run(command="bash scripts/gpu_session.sh relay")
 # Needs the wheels of scripts/gpu_wheels.sh in .whl (carried). Python there is 3.12 with torch,
 # cupy, transformers, numpy, uvloop preinstalled.
 set -uo pipefail
@@ -52,7 +53,7 @@ for phase in "$@"; do
         --systems tandem hf-cb --out "$OUT/throughput_cuda.json" 2>&1 | tail -40
       ;;
     relay)
-      timeout 300 python3 benchmarks/gateway_relay.py --out "$OUT/gateway_relay_h200.json" \
+      timeout 540 python3 benchmarks/gateway_relay.py --out "$OUT/gateway_relay_h200.json" \
         --note "H200 machine, 16 cores" 2>&1 | tail -40
       ;;
     *) echo "unknown phase $phase" ;;
