@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call of the device tool's GPU machine, all phases in one command (a loan is rare and short):
 #
-#   run(command="bash scripts/gpu_session.sh tests kernels relay", carry=[".whl"])
+#   run(command="bash scripts/gpu_session.sh tests kernels", carry=[".whl"])
+#   run(command="bash scripts/gpu_session.sh relay", carry=[".whl"])   (its own call: ~6 min)
 #
 # Phases (any order, each bounded by its own timeout; logs and JSON land in $OUT, at most 8
 # files come back):
