@@ -18,7 +18,8 @@
             work. A client that sets a window (the contract's FlowControl, as the gateway does)
             gets what the real engine does: the steps that come while its window is full are
             held and sent as one message (each request's tokens in one entry) once it reports
-            progress; half-closing drops the window.
+            progress (unpaced, those steps are taken at once, up to the lead: an engine that is
+            never the bottleneck spends no time per step); half-closing drops the window.
             ``--step-ms X`` paces the steps (one every X ms per stream); ``--record PATH`` keeps
             each step's time (CLOCK_MONOTONIC: when it is sent, or for a step held while the
             client's window was full, when it was taken, so the hold counts as latency) and
@@ -366,6 +367,11 @@ class StandInEngine:
                 if s.window_full():
                     if s.running and paced_somehow:
                         self._hold(s)  # the engine steps on; its tokens wait, merged
+                        # Unpaced, an engine that is never the bottleneck takes no time per
+                        # step: it steps on at once up to its lead, not one step per turn of
+                        # its event loop (which cost this process ~5 us of CPU per step).
+                        while self.step_s <= 0 and s.running and not self._ahead():
+                            self._hold(s)
                     else:  # only finals, or no model of the engine's pace: wait for room
                         await _woken_or_closed(s, reader)
                 elif s.running or s.finals:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,6 +103,43 @@ def test_lead_bound_follows_what_the_client_received(tmp_path: Path) -> None:
     board.set(GENERATION, 8)  # a new client: what the last one left unreceived is forgotten
     board.set(RECEIVED, 0)
     assert not engine._ahead()
+
+
+def test_unpaced_the_engine_takes_its_lead_at_once_while_the_window_is_full(
+    tmp_path: Path,
+) -> None:
+    """An engine that is never the bottleneck spends no time per step: with the client's window
+    full it holds its whole lead within a turn or two of its loop, not a step per turn."""
+
+    async def scenario() -> tuple[int, int]:
+        board = Progress(Progress.create(tmp_path / "progress.bin"))
+        board.set(GENERATION, 1)
+        engine = StandInEngine(
+            tmp_path, 42, 100, step_s=0.0, record=False, progress=board, lead_steps=4
+        )
+        done = asyncio.Event()
+
+        async def requests() -> Any:
+            yield pb.EngineCoreRequest(flow=pb.FlowControl(window=1))
+            yield pb.EngineCoreRequest(add=_add("r-0", 200))
+            await done.wait()
+
+        stream = engine.stream(requests(), None)
+        first = pb.EngineCoreOutputs.FromString(await stream.__anext__())  # window now full
+        pending = asyncio.ensure_future(stream.__anext__())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        held = sum(r.held for r in engine.streams[0].held.values())
+        pending.cancel()
+        done.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        await stream.aclose()
+        return len(first.outputs[0].new_token_ids), held
+
+    sent, held = asyncio.run(scenario())
+    assert sent == 1
+    assert held == 4 * 8  # --lead-steps 4 x max(1 running, 8) tokens beyond the one received
 
 
 def test_a_held_step_counts_its_hold_in_the_added_latency(tmp_path: Path) -> None:
