@@ -22,7 +22,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     # This output carries the request's first token (or a pooling request's result): where its
-    # prompt is counted, once (vLLM's iteration tokens), also after a preemption's recompute.
+    # prompt is counted (vLLM's iteration tokens). Once per request, even when a preemption makes
+    # the prompt compute again.
     first: bool = False
     # With the first token and with the last output: the phases so far (the contract's
     # queued_time_s / prefill_time_s / decode_time_s).
