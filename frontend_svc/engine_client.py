@@ -1,6 +1,6 @@
-"""The gateway's side of the engine contract: the stream and the unary calls. With
-:mod:`frontend_svc.engine_messages` (the messages as the gateway's types), the only module that
-imports the generated stubs.
+"""The gateway's side of the engine contract: the stream and the unary calls. This module and
+:mod:`frontend_svc.engine_messages` (the messages as the gateway's types) are the only ones that
+import the generated stubs.
 
 One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
 request gets its own :class:`~frontend_svc.output_collector.OutputCollector`; the engine's
