@@ -67,6 +67,21 @@ def _tokens(messages: list[pb.EngineCoreOutputs], rid: str) -> list[int]:
     return [t for m in messages for o in m.outputs if o.request_id == rid for t in o.new_token_ids]
 
 
+def _per_step_tokens(
+    messages: list[pb.EngineCoreOutputs], prompts: dict[str, list[int]]
+) -> list[int]:
+    """Each engine step's tokens (vLLM's iteration tokens): a merged message lists them; a
+    message of one step is its tokens plus the prompts whose first token it carries."""
+    steps: list[int] = []
+    seen: set[str] = set()
+    for m in messages:
+        firsts = {o.request_id for o in m.outputs if o.new_token_ids} - seen
+        seen |= firsts
+        tokens = sum(len(o.new_token_ids) for o in m.outputs)
+        steps.extend(m.step_tokens or [tokens + sum(len(prompts[r]) for r in firsts)])
+    return steps
+
+
 def _one_request_under_a_window_of_one(
     stub: pb_grpc.EngineStub, rid: str, max_tokens: int
 ) -> tuple[list[int], StreamSession, Reader]:
@@ -94,13 +109,8 @@ def test_a_full_window_holds_the_steps_and_sends_them_merged(stub: pb_grpc.Engin
         session.flow(messages_read=len(messages))
         messages.append(reader.next())
     assert _tokens(messages, "flow-1") == expected
-    # Per step, merged or not: the prompt once, with the first token, then a token a step (a
-    # message of one step does not list it: its tokens, plus the prompt with the first one).
-    steps: list[int] = []
-    for m in messages:
-        tokens = sum(len(o.new_token_ids) for o in m.outputs)
-        steps.extend(m.step_tokens or [tokens + (len(PROMPT) if m is messages[0] else 0)])
-    assert steps == [len(PROMPT) + 1] + [1] * 23
+    # Per step, merged or not: the prompt once, with the first token, then a token a step.
+    assert _per_step_tokens(messages, {"flow-1": PROMPT}) == [len(PROMPT) + 1] + [1] * 23
     last = messages[-1].outputs[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.num_prompt_tokens == len(PROMPT)
     assert last.HasField("decode_time_s") and messages[-1].HasField("load")
@@ -173,13 +183,7 @@ def test_merged_steps_keep_their_token_counts(stub: pb_grpc.EngineStub) -> None:
         messages.append(reader.next())
     in_merged = {o.request_id for m in messages if m.step_tokens for o in m.outputs}
     assert {"it-b", "it-c"} <= in_merged  # their first tokens came while the window was full
-    steps: list[int] = []
-    seen: set[str] = set()
-    for m in messages:  # a message of one step: its tokens, plus the prompts it completed
-        firsts = {o.request_id for o in m.outputs if o.new_token_ids} - seen
-        seen |= firsts
-        tokens = sum(len(o.new_token_ids) for o in m.outputs)
-        steps.extend(m.step_tokens or [tokens + sum(len(prompts[r]) for r in firsts)])
+    steps = _per_step_tokens(messages, prompts)
     assert sum(steps) == sum(map(len, prompts.values())) + sum(lengths.values())
     assert all(n > 0 for n in steps)
     session.half_close()

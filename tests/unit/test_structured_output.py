@@ -228,6 +228,37 @@ def test_string_lengths_count_characters_not_bytes(manager: StructuredOutputMana
         assert (accepted and matcher.is_completed()) == ok, text
 
 
+@pytest.mark.parametrize(
+    ("params", "good", "bad"),
+    [
+        (StructuredOutputParams(regex="a{100000}"), "aaaa", "ab"),
+        (StructuredOutputParams(regex="((a{1,100}){1,100}){1,100}"), "aaa", "b"),
+        (
+            StructuredOutputParams(
+                json_schema={"type": "array", "items": {"type": "integer"}, "minItems": 100000}
+            ),
+            "[1, 2",
+            "[1, x",
+        ),
+        (
+            StructuredOutputParams(json_schema={"type": "string", "maxLength": 100000}),
+            '"abc',
+            "abc",
+        ),
+    ],
+)
+def test_hostile_repetition_bounds_compile_without_hanging(
+    manager: StructuredOutputManager, params: StructuredOutputParams, good: str, bad: str
+) -> None:
+    """Huge or nested repetition counts (a request can send any) compile in seconds, not
+    minutes or gigabytes (xgrammar keeps the counts, it does not unroll them), and constrain."""
+    import xgrammar as xgr
+
+    grammar = _ready(manager.grammar_for(params))
+    assert xgr.GrammarMatcher(grammar.future.result()).accept_string(good)
+    assert not xgr.GrammarMatcher(grammar.future.result()).accept_string(bad)
+
+
 def test_matcher_follows_the_tokens_and_terminates_on_eos(
     manager: StructuredOutputManager, tokenizer_dir: Path
 ) -> None:
