@@ -13,7 +13,7 @@ benchmarks/relay_standins.py):
                  it run megabytes ahead and split its batches into one-request messages)
     gateway -wN  the same with ``--workers N`` (only when the gateway has that flag)
     gateway-winW the gateway points again with ``--engine-window W`` (``--compare-window W``;
-                 ``--engine-window`` sets the first run's). With a window the stand-in merges
+                 ``--engine-window`` sets the others'). With a window the stand-in merges
                  the steps that come while it is full, as the real engine does, so a message
                  (``out/msg``) and a chunk (``tok/chunk``) can carry several steps' tokens;
                  tok/s counts tokens either way.
@@ -364,7 +364,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         repeats = []
         for i in range(max(1, args.paced_repeats)):
             record = tmp / f"engine-record-{i}.json"  # (a new file: its appearance is the signal)
-            with gateway_servers(tmp, tokenizer, step_ms=step_ms, record=record) as s:
+            with gateway_servers(
+                tmp, tokenizer, step_ms, record, engine_window=args.engine_window
+            ) as s:
                 p = run_point("gateway-paced", s, c, args, tmp, record=True)
                 engine_record = _signal_and_wait(s.watch["engine"], record)
             raw = p.pop("raw")  # (every chunk's time: joined here, not kept)
@@ -399,7 +401,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["workers_flag"] = gateway_has_workers_flag()
         if results["workers_flag"] and args.workers > 1:
             with gateway_servers(
-                tmp, tokenizer, workers=args.workers, lead_steps=args.lead_steps
+                tmp,
+                tokenizer,
+                workers=args.workers,
+                lead_steps=args.lead_steps,
+                engine_window=args.engine_window,
             ) as s:
                 for c in args.workers_concurrency or [max(args.concurrency)]:
                     points.append(run_point(f"gateway-w{args.workers}", s, c, args, tmp))

@@ -113,11 +113,12 @@ class FrontendConfig:
     limits: LimitsConfig = LimitsConfig()
     workers: int = 1  # gateway processes sharing the port, each with its own engine streams
     # Engine messages in flight unread on each engine stream; the engine merges the steps that
-    # come while it is full (the contract's FlowControl). 0: no window. Small on purpose: a
-    # gateway that falls behind gets the steps merged after two unread messages instead of a
-    # queue of one-step messages; it reports its progress each time it has read two
-    # (benchmarks/results/gateway_relay_cpu.md: 2 against 1, 4, 16 and none).
-    engine_window: int = 2
+    # come while it is full (the contract's FlowControl). 0: no window. One: the gateway reports
+    # each message once it has handed it on, and a gateway that falls behind gets every step
+    # made meanwhile in the next message instead of a queue of one-step messages. A second
+    # message in flight only pays where the report's round trip is longer than an engine step
+    # (benchmarks/results/gateway_relay_cpu.md: 1 against 2, 3, 4, 16 and none).
+    engine_window: int = 1
     tool_call_parser: str | None = None  # how model output becomes tool calls (tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser reads
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" unless asked not to

@@ -124,7 +124,7 @@ class EngineClient:
         server_name: str | None = None,
         on_disconnect: Callable[[], None] | None = None,
         on_step: OnStep | None = None,
-        window: int = 2,
+        window: int = 1,
     ) -> None:
         self.address = address
         self._window = window  # engine messages in flight unread; 0: no window
@@ -381,8 +381,10 @@ class EngineClient:
             # Progress is reported each time a whole window has been read, which gives the
             # engine a window's room at once: one report per W messages. (Reporting every W/2
             # kept it from ever waiting on a report, but the reports' gRPC writes cost more
-            # than that saved: benchmarks/results/gateway_relay_cpu.md.) An engine that
-            # outpaces this reader merges its steps instead of queueing them.
+            # than that saved: benchmarks/results/gateway_relay_cpu.md.) The report queues on
+            # the event loop behind the request tasks this message woke, so it leaves once they
+            # have had their turn: an engine that outpaces the gateway's relaying, not just its
+            # reading, merges its steps instead of queueing them.
             report_every = max(1, self._window)
             read, report_at = 0, report_every
             try:

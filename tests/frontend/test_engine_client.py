@@ -99,6 +99,48 @@ def test_a_consumer_that_falls_behind_gets_the_steps_merged(engine: FakeEngine) 
     asyncio.run(scenario())
 
 
+def test_a_report_leaves_after_the_consumer_has_taken_the_message(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The progress report for a message queues on the event loop behind the request it woke:
+    with a window of one, the engine sends its next message only once the gateway has handed the
+    last one on, not merely read it (so an engine outpacing the relaying merges its steps)."""
+    import frontend_svc.engine_client as engine_client
+
+    events: list[tuple[str, int]] = []
+    drain = engine_client._drain
+
+    async def recording_drain(outbox):  # type: ignore[no-untyped-def]
+        async for item in drain(outbox):
+            if item.WhichOneof("kind") == "flow" and item.flow.messages_read:
+                events.append(("report", item.flow.messages_read))
+            yield item
+
+    monkeypatch.setattr(engine_client, "_drain", recording_drain)
+
+    async def scenario() -> None:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2), window=1)
+        client.start()
+        assert await client.wait_connected(5)
+        taken = 0
+        async with contextlib.aclosing(client.generate(request("r", max_tokens=12))) as outputs:
+            async for out in outputs:
+                taken += len(out.new_token_ids)
+                events.append(("taken", taken))
+        await asyncio.sleep(0.1)  # the last report is out by now
+        await client.close()
+
+    asyncio.run(scenario())
+    reports = [n for kind, n in events if kind == "report"]
+    assert reports == list(range(1, len(reports) + 1)) and len(reports) >= 6
+    taken = 0
+    for kind, n in events:  # one token per message: report k comes after token k was taken
+        if kind == "taken":
+            taken = n
+        else:
+            assert taken >= n, events
+
+
 @pytest.mark.parametrize("window", [4, 0])
 def test_the_stream_window_is_sent_and_progress_reported_every_window(
     engine: FakeEngine, window: int
