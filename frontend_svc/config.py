@@ -114,8 +114,8 @@ class FrontendConfig:
     workers: int = 1  # gateway processes sharing the port, each with its own engine streams
     # Engine messages in flight unread on each engine stream; the engine merges the steps that
     # come while it is full (the contract's FlowControl). 0: no window. One: the gateway reports
-    # each message once it has handed it on, and a gateway that falls behind gets every step
-    # made meanwhile in the next message instead of a queue of one-step messages. A second
+    # each message after the requests it woke have had their turn, and a gateway that falls
+    # behind gets every step made meanwhile in the next message, not a queue of them. A second
     # message in flight only pays where the report's round trip is longer than an engine step
     # (benchmarks/results/gateway_relay_cpu.md: 1 against 2, 3, 4, 16 and none).
     engine_window: int = 1

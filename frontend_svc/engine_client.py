@@ -382,9 +382,11 @@ class EngineClient:
             # engine a window's room at once: one report per W messages. (Reporting every W/2
             # kept it from ever waiting on a report, but the reports' gRPC writes cost more
             # than that saved: benchmarks/results/gateway_relay_cpu.md.) The report queues on
-            # the event loop behind the request tasks this message woke, so it leaves once they
-            # have had their turn: an engine that outpaces the gateway's relaying, not just its
-            # reading, merges its steps instead of queueing them.
+            # the event loop behind the request tasks this message woke, so it normally leaves
+            # once they have had their turn (not when the request writer is just finishing
+            # another write: then it goes at once; n > 1 requests have one more hop, the merge
+            # pump): an engine that outpaces the gateway's relaying, not only its reading,
+            # merges its steps instead of queueing them.
             report_every = max(1, self._window)
             read, report_at = 0, report_every
             try:

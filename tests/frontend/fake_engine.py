@@ -3,7 +3,9 @@
 The model writes ``SCRIPT`` over and over (starting at an offset derived from the seed), one
 token per engine step, for every running request. It honours max_tokens, min_tokens,
 stop_token_ids, logprobs, prompt_logprobs, aborts and a request limit (queue full), and it
-exposes what happened (requests in flight, aborted ids) so tests can assert on it.
+exposes what happened (requests in flight, aborted ids) so tests can assert on it. A Stream's
+window (FlowControl) is honoured: at most that many messages unread in flight; the steps made
+meanwhile wait as messages of their own (the real engine merges them).
 
 Given ``supported_tasks`` with pooling tasks it also answers pooling requests, after
 ``pooling_steps`` steps, with ``fake_pooled``: a vector computed from the prompt's ids and their
@@ -477,8 +479,13 @@ class _Servicer(pb_grpc.EngineServicer):
         engine = self.engine
         sink: asyncio.Queue[pb.EngineCoreOutputs] = asyncio.Queue()
         owned: set[str] = set()
+        # The client's window: at most ``window`` messages sent and not reported read (the
+        # messages wait in ``sink`` meanwhile, one per step: this engine does not merge them).
+        window = read_count = sent = 0
+        room = asyncio.Event()
 
         async def read() -> None:
+            nonlocal window, read_count
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "add":
@@ -487,6 +494,9 @@ class _Servicer(pb_grpc.EngineServicer):
                         owned.add(rid)
                 elif kind == "flow":
                     engine.flow.append((message.flow.window, message.flow.messages_read))
+                    window = message.flow.window or window
+                    read_count = max(read_count, min(message.flow.messages_read, sent))
+                    room.set()
                 elif kind == "abort":
                     engine.abort_requests.extend(message.abort.request_ids)
                     engine.abort(list(message.abort.request_ids))
@@ -495,9 +505,16 @@ class _Servicer(pb_grpc.EngineServicer):
         get: asyncio.Future[pb.EngineCoreOutputs] | None = None
         try:
             while True:
+                if window and sent - read_count >= window and not reader.done():
+                    room.clear()
+                    wait = asyncio.ensure_future(room.wait())
+                    await asyncio.wait({wait, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    wait.cancel()
+                    continue
                 get = asyncio.ensure_future(sink.get())
                 await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if get.done():
+                    sent += 1
                     yield get.result()
                     continue
                 break  # the client half-closed: closing the stream aborts what it carried

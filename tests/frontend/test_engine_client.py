@@ -104,7 +104,10 @@ def test_a_report_leaves_after_the_consumer_has_taken_the_message(
 ) -> None:
     """The progress report for a message queues on the event loop behind the request it woke:
     with a window of one, the engine sends its next message only once the gateway has handed the
-    last one on, not merely read it (so an engine outpacing the relaying merges its steps)."""
+    last one on, not merely read it (so an engine outpacing the relaying merges its steps).
+    (Best effort: a report can overtake when the loop takes a message and the end of the previous
+    report's write in one turn, after a stall longer than a step; the slow steps here keep that
+    away.)"""
     import frontend_svc.engine_client as engine_client
 
     events: list[tuple[str, int]] = []
@@ -117,6 +120,7 @@ def test_a_report_leaves_after_the_consumer_has_taken_the_message(
             yield item
 
     monkeypatch.setattr(engine_client, "_drain", recording_drain)
+    monkeypatch.setattr(engine, "step_s", 0.03)
 
     async def scenario() -> None:
         client = EngineClient(engine.address, BackoffConfig(0.05, 0.2), window=1)

@@ -68,7 +68,9 @@ def test_vllm_metrics_after_real_requests(
     assert grew("vllm:request_decode_time_seconds_sum", **model) > 0
     assert grew("vllm:request_queue_time_seconds_sum", **model) >= 0
     assert grew("vllm:time_to_first_token_seconds_count", **model) == 3
-    assert grew("vllm:inter_token_latency_seconds_count", **model) >= 3
+    # One observation per output after the first: outputs merge (a full engine window, a write
+    # still in progress, a reader that lags), so 5 tokens give 0-4 of them, not one per token.
+    assert 1 <= grew("vllm:inter_token_latency_seconds_count", **model) <= 3 * 4
     assert grew("vllm:prompt_tokens_total", **mine) == 12
     assert grew("vllm:generation_tokens_total", **mine) == 15
     assert grew("vllm:iteration_tokens_total_sum", **mine) == 27
