@@ -7,6 +7,7 @@ import time
 import httpx
 
 RUNNING = "vllm:num_requests_running"
+FINISHED = "vllm:request_success_total"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
@@ -19,6 +20,18 @@ def gauges(base_url: str) -> dict[str, float]:
             name, value = line.split("{", 1)[0], line.rsplit(" ", 1)[1]
             values[name] = float(value)
     return values
+
+
+def finished(base_url: str) -> dict[str, float]:
+    """The gateway's finished-request counters by ``finished_reason`` (stop, length, abort)."""
+    r = httpx.get(f"{base_url}/metrics", timeout=5)
+    assert r.status_code == 200
+    counts: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line.startswith(FINISHED + "{"):
+            reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
+            counts[reason] = counts.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def wait_for(base_url: str, running: float, timeout: float = 5.0, busy: bool = False) -> dict:
