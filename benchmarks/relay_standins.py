@@ -119,6 +119,7 @@ class _ClientStream:
     read: int = 0
     sent: int = 0
     held: dict[str, _Request] = field(default_factory=dict)  # requests with held tokens
+    held_steps: list[int] = field(default_factory=list)  # each held step's tokens
 
     def window_full(self) -> bool:
         return self.window > 0 and self.sent - self.read >= self.window
@@ -270,9 +271,13 @@ class StandInEngine:
         """A step while the client's window is full: its tokens wait, merged, for room."""
         if self.record:  # the step's time is now: the hold counts as latency
             s.step_times.append(time.monotonic())
+        step, tokens = s.steps, 0
         for r, _ in self._advance(s):
             r.held += 1
             s.held[r.request_id] = r
+            # as the engine counts a step: the prompts it completed and the tokens it generated
+            tokens += 1 + (r.num_prompt_tokens if r.first_step == step else 0)
+        s.held_steps.append(tokens)
 
     def _flush(self, s: _ClientStream) -> bytes:
         """One message with every held token (a request's in one entry) and the finals."""
@@ -288,6 +293,10 @@ class StandInEngine:
             parts.append(_len_field(1, out.SerializeToString()))
             r.held = 0
         s.held.clear()
+        if len(s.held_steps) > 1:  # merged steps: each one's tokens, as the engine says them
+            packed = b"".join(_varint(n) for n in s.held_steps)
+            parts.append(_len_field(5, packed))
+        s.held_steps.clear()
         return self._message(s, parts)
 
     def _message(self, s: _ClientStream, parts: list[bytes]) -> bytes:

@@ -54,6 +54,28 @@ def test_stand_in_steps_are_valid_engine_core_outputs(tmp_path: Path) -> None:
     assert len(s.step_times) == 3
 
 
+def test_a_merged_message_says_each_steps_tokens_as_the_engine_does(tmp_path: Path) -> None:
+    """Held steps go out as one message with ``step_tokens`` (the real engine's StreamOutbox
+    sends them), so the bench's gateway pays for the per-step metric as it does in service."""
+    engine = StandInEngine(tmp_path, token_id=42, vocab_size=100, step_s=0.0, record=False)
+    s = _ClientStream(0)
+    engine._add(s, _add("a-0", 10))
+    engine._step(s)  # a's first step, sent on its own: no step_tokens in a one-step message
+    engine._hold(s)
+    engine._add(s, _add("b-0", 10))
+    engine._hold(s)  # b's first step: its 3 prompt tokens count in it
+    engine._hold(s)
+    merged = pb.EngineCoreOutputs.FromString(engine._flush(s))
+    assert list(merged.step_tokens) == [1, 2 + 3, 2]  # a; a, b and its prompt; a, b
+    tokens = {o.request_id: len(o.new_token_ids) for o in merged.outputs}
+    assert tokens == {"a-0": 3, "b-0": 2}
+    prompts = 3  # b's prompt, with its first token (the gateway counts it so)
+    assert sum(merged.step_tokens) == sum(tokens.values()) + prompts
+    engine._hold(s)
+    single = pb.EngineCoreOutputs.FromString(engine._flush(s))  # one held step: none
+    assert list(single.step_tokens) == []
+
+
 def test_bare_ticker_gives_every_stream_a_token_each_step() -> None:
     async def scenario() -> tuple[list[list[int]], dict[str, tuple[int, int]], int]:
         ticker = Ticker(step_s=0.0)
