@@ -34,6 +34,7 @@ gauge and /metrics reports the largest, as a counter, not N times the truth.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -81,6 +82,24 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 # vllm:cache_config_info's labels besides model_name and engine (vLLM's CacheConfig names).
 CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
 LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+
+def observe_many(histogram: Histogram, amount: float, times: int) -> None:
+    """``times`` observations of ``amount`` at the cost of one: the additions ``observe`` makes,
+    ``times`` over (prometheus_client has no weighted observe; 16 observes cost ~8 us, this
+    ~0.5). Its stores (``_sum``, ``_buckets``, ``_upper_bounds``) are not public API: without
+    them, ``observe`` ``times`` times."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    buckets = getattr(histogram, "_buckets", None)
+    if bounds is None or total is None or buckets is None:
+        for _ in range(times):
+            histogram.observe(amount)
+        return
+    total.inc(amount * times)
+    i = bisect.bisect_left(bounds, amount)  # observe's bucket: the first bound >= amount
+    if i < len(buckets):
+        buckets[i].inc(times)
 
 
 def length_buckets(max_value: int) -> list[int]:
@@ -364,8 +383,15 @@ class Metrics:
         # early; their last outputs still come): then one observation of what it did count, so
         # the histogram's sum stays the token totals.
         if step_tokens and sum(step_tokens) == prompt_tokens + generation_tokens:
+            # A message merges steps of about the same size (16 steps of 1 token each at one
+            # stream): one observation per run of equal counts, not per step.
+            run, times = step_tokens[0], 0
             for n in step_tokens:
-                iteration.observe(n)
+                if n != run:
+                    observe_many(iteration, run, times)
+                    run, times = n, 0
+                times += 1
+            observe_many(iteration, run, times)
         else:
             iteration.observe(prompt_tokens + generation_tokens)
 
