@@ -294,7 +294,8 @@ class StandInEngine:
             r.held = 0
         s.held.clear()
         if len(s.held_steps) > 1:  # merged steps: each one's tokens, as the engine says them
-            packed = b"".join(_varint(n) for n in s.held_steps)
+            steps = s.held_steps  # packed varints; below 128 a varint is its one byte
+            packed = bytes(steps) if max(steps) < 128 else b"".join(map(_varint, steps))
             parts.append(_len_field(5, packed))
         s.held_steps.clear()
         return self._message(s, parts)

@@ -74,6 +74,13 @@ def test_a_merged_message_says_each_steps_tokens_as_the_engine_does(tmp_path: Pa
     engine._hold(s)
     single = pb.EngineCoreOutputs.FromString(engine._flush(s))  # one held step: none
     assert list(single.step_tokens) == []
+    long = pb.AddRequest(request_id="c-0", prompt_token_ids=list(range(300)))
+    long.sampling_params.max_tokens = 10
+    engine._add(s, long)
+    engine._hold(s)  # a count past one varint byte
+    engine._hold(s)
+    merged = pb.EngineCoreOutputs.FromString(engine._flush(s))
+    assert list(merged.step_tokens) == [3 + 300, 3]
 
 
 def test_bare_ticker_gives_every_stream_a_token_each_step() -> None:
