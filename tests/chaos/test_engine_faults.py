@@ -53,14 +53,19 @@ def test_sigkill_under_load_then_restart(
 
     async def scenario() -> tuple[list[Outcome], float]:
         async with async_client(timeout=30) as http:
+            producing = [asyncio.Event() for _ in range(40)]
             tasks = [
-                asyncio.create_task(stream(http, gateway.url, body(1500, prompt=f"Kill {i}")))
+                asyncio.create_task(
+                    stream(http, gateway.url, body(1500, prompt=f"Kill {i}"), None, producing[i])
+                )
                 for i in range(40)
             ] + [
                 asyncio.create_task(complete(http, gateway.url, body(1500, prompt=f"Wait {i}")))
                 for i in range(10)
             ]
-            await asyncio.sleep(2.0)  # every request admitted, the streams producing
+            # Killed once every stream produces (a fixed 2 s sleep raced the engine's speed).
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in producing)), 20)
+            await asyncio.sleep(0.2)  # the non-streamed requests admitted too
             early = [t.result() for t in tasks if t.done()]
             assert not early, early[:3]
             killed = time.monotonic()
@@ -105,33 +110,36 @@ def test_sigkill_under_load_then_restart(
 def test_sigterm_drain_under_load(pair: Any, record: Any) -> None:
     engine, gateway = pair("--shutdown-timeout", "60")
 
-    async def scenario() -> tuple[list[Outcome], list[Outcome], float]:
+    async def scenario() -> tuple[list[Outcome], list[Outcome], float, int]:
         async with async_client(timeout=60) as http:
-            started = asyncio.Event()
+            producing = [asyncio.Event() for _ in range(30)]
             tasks = [
                 asyncio.create_task(
-                    stream(http, gateway.url, body(150, prompt=f"D {i}"), None, started)
+                    stream(http, gateway.url, body(1000, prompt=f"D {i}"), None, producing[i])
                 )
                 for i in range(30)
             ]
-            await asyncio.wait_for(started.wait(), 20)
-            await asyncio.sleep(0.3)
+            # Signalled once every stream produces, with ~1000 steps left to drain (150 tokens
+            # and a 0.3 s sleep could leave nothing in flight by the signal).
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in producing)), 20)
+            in_flight = sum(not t.done() for t in tasks)
             signalled = time.monotonic()
             engine.signal(signal.SIGTERM)
             await _until(lambda: _health(gateway.url) == 503, 2, "/health 503")
             late = await asyncio.gather(*(complete(http, gateway.url, body(4)) for _ in range(5)))
             outcomes = await asyncio.gather(*tasks)
-        return list(outcomes), list(late), time.monotonic() - signalled
+        return list(outcomes), list(late), time.monotonic() - signalled, in_flight
 
-    outcomes, late, took = asyncio.run(scenario())
+    outcomes, late, took, in_flight = asyncio.run(scenario())
+    assert in_flight == 30
     assert all(o.done and o.finish_reason == "length" and o.error is None for o in outcomes)
     assert all(o.status == 503 and o.headers.get("retry-after") for o in late), late
     assert engine.wait(30) == 0
     record(
         "engine_sigterm_drain",
-        in_flight=30,
-        finished=30,
-        refused_while_draining=5,
+        in_flight=in_flight,
+        finished=sum(o.finish_reason == "length" for o in outcomes),
+        refused_while_draining=sum(o.status == 503 for o in late),
         drain_s=round(took, 1),
     )
 
@@ -143,7 +151,9 @@ def test_overload_answers_429(pair: Any, record: Any) -> None:
         async with async_client(timeout=60) as http:
             return list(
                 await asyncio.gather(
-                    *(complete(http, gateway.url, body(40, prompt=f"O {i}")) for i in range(40))
+                    # 400 tokens: the 6 slots stay full while the others arrive (40-token
+                    # requests end in ~50 ms, as fast as a loaded client sends the rest)
+                    *(complete(http, gateway.url, body(400, prompt=f"O {i}")) for i in range(40))
                 )
             )
 
@@ -172,13 +182,15 @@ def test_stalled_engine_under_load(cache_dir: Path, log_dir: Path, record: Any) 
                 started = asyncio.Event()
                 tasks = [
                     asyncio.create_task(
-                        stream(http, gateway.url, body(60, prompt=f"S {i}"), None, started)
+                        stream(http, gateway.url, body(600, prompt=f"S {i}"), None, started)
                     )
                     for i in range(10)
                 ]
                 await asyncio.wait_for(started.wait(), 20)
                 core.stall.set()
-                await asyncio.to_thread(core.stalled.wait, 10)
+                # (600 tokens: the streams still run when the stall is asked for; 60 ended
+                # within ~0.1 s, and an idle engine has no step to stall)
+                assert await asyncio.to_thread(core.stalled.wait, 10), "the engine never stalled"
                 stalled = time.monotonic()
                 await _until(lambda: _health(gateway.url) == 503, 5, "/health 503")
                 noticed = time.monotonic() - stalled

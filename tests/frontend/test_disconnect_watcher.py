@@ -147,11 +147,13 @@ def test_a_shutdown_cancel_is_not_taken_for_a_disconnect(disconnect_first: bool)
     up: the guard raises CancelledError, not ClientDisconnected (which the routes swallow); with
     the shutdown first, the disconnect adds no second cancel to cut the cleanup short."""
     cleaned: list[bool] = []
+    cleaning = asyncio.Event()
 
     async def work() -> None:
         try:
             await asyncio.sleep(3600)
         finally:
+            cleaning.set()
             await asyncio.sleep(0.05)  # e.g. aborting the engine request
             cleaned.append(True)
 
@@ -159,10 +161,17 @@ def test_a_shutdown_cancel_is_not_taken_for_a_disconnect(disconnect_first: bool)
         channel = Channel()
         watcher = DisconnectWatcher(channel.receive)
         guarded = asyncio.ensure_future(watcher.guard(work()))
-        loop = asyncio.get_running_loop()
-        first, second = (0.01, 0.03) if disconnect_first else (0.03, 0.01)
-        loop.call_later(first, channel.disconnect)
-        loop.call_later(second, guarded.cancel)
+        await asyncio.sleep(0.01)  # the guard and the work are running
+        first, second = (
+            (channel.disconnect, guarded.cancel)
+            if disconnect_first
+            else (guarded.cancel, channel.disconnect)
+        )
+        # The second lands once the first has started the cleanup (timers 10 and 30 ms apart
+        # raced a loaded machine: a 20 ms stall ran both in one turn, in the wrong order).
+        first()
+        await asyncio.wait_for(cleaning.wait(), 5)
+        second()
         with pytest.raises(asyncio.CancelledError):
             await guarded
         watcher.close()

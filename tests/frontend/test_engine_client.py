@@ -85,10 +85,17 @@ def test_a_consumer_that_falls_behind_gets_the_steps_merged(engine: FakeEngine) 
         client = EngineClient(engine.address, BackoffConfig(0.05, 0.2))
         client.start()
         assert await client.wait_connected(5)
+        reports = len(engine.flow)
         gen = client.generate(request("slow", max_tokens=30))
         first = await gen.__anext__()
         assert len(first.new_token_ids) == 1
-        await asyncio.sleep(30 * engine.step_s + 0.3)  # the engine finishes meanwhile
+
+        def all_read() -> bool:  # this stream's client reported reading all 30 step messages
+            return max((read for _, read in engine.flow[reports:]), default=0) >= 30
+
+        # The engine finishes meanwhile and the client takes every message in; a fixed sleep
+        # (30 steps + 0.3 s) raced a loaded machine, a window of one being a round trip a step.
+        await asyncio.to_thread(wait_for, all_read, 5, "the client reading every message")
         rest = await gen.__anext__()
         assert len(rest.new_token_ids) == 29 and rest.finish_reason is FinishReason.LENGTH
         assert len(rest.logprobs) == 0 and rest.request_id == "slow"

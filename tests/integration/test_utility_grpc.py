@@ -188,7 +188,7 @@ def test_reset_prefix_cache(channel: grpc.Channel) -> None:
     cached("warm")
     assert cached("hit") == 12  # 3 full blocks of 4 (the last prompt token is computed)
     responses = stub.Generate(
-        pb.GenerateRequest(request=add_request("busy", PROMPT, 100)), timeout=60
+        pb.GenerateRequest(request=add_request("busy", PROMPT, 400)), timeout=60
     )
     next(responses)
     assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest()).reset is False  # blocks in use
