@@ -118,9 +118,9 @@ def test_sleep_refuses_work_then_wake_up_serves_the_same_tokens(
 def test_sleep_waits_for_the_running_request(channel: grpc.Channel) -> None:
     stub = pb_grpc.EngineStub(channel)
     responses = stub.Generate(
-        pb.GenerateRequest(request=add_request("long", PROMPT, 300)), timeout=60
+        pb.GenerateRequest(request=add_request("long", PROMPT, 1000)), timeout=60
     )
-    first = next(responses)  # it runs
+    first = next(responses)  # it runs (1000 tokens: still running after the 0.2 s below)
     slept = threading.Event()
     error: list[BaseException] = []
 
@@ -135,9 +135,10 @@ def test_sleep_waits_for_the_running_request(channel: grpc.Channel) -> None:
     sleeper.start()
     time.sleep(0.2)
     assert _code(lambda: _greedy(stub, "late")) == grpc.StatusCode.UNAVAILABLE  # refused at once
+    assert not slept.is_set()  # Sleep still waits for the running request
     rest = list(responses)
     tokens = list(first.output.new_token_ids) + tokens_of(rest)
-    assert len(tokens) == 300  # the running request finished normally
+    assert len(tokens) == 1000  # the running request finished normally
     assert rest[-1].output.finish_reason == pb.FINISH_REASON_LENGTH
     sleeper.join(30)
     assert slept.is_set() and not error, error
