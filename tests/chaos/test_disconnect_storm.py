@@ -60,9 +60,14 @@ def test_disconnect_storm(pair: Any, record: Any) -> None:
         assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
         assert load.kv_cache_usage == 0.0, load
         assert gateway_in_flight(gateway.url) == 0
+        # Counted, not planned: a stream can end before its cut (several tokens per event), and
+        # a storm where few clients really left would test little.
+        gone = sum(o.disconnected for o in left)
+        assert gone >= len(left) // 2, (gone, len(left))
         figures[f"round{round_ + 1}_s"] = round(took, 1)
         figures[f"round{round_ + 1}_finished"] = len(stayed)
-        figures[f"round{round_ + 1}_disconnected"] = len(left)
+        figures[f"round{round_ + 1}_planned_to_leave"] = len(left)
+        figures[f"round{round_ + 1}_disconnected"] = gone
     after = rss_mb(pid)
     figures.update(
         gateway_rss_baseline_mb=round(baseline, 1),
