@@ -61,10 +61,15 @@ def test_engine_and_gateway_freeze_their_startup_heap(
 
         gateway = GatewayServer(engine.address, freeze_gc_heap=True).start()
         gateway.wait_healthy()
-        # The gateway froze again once its tokenizer was built: that tokenizer is frozen now.
-        tokenizer = gateway.app.state.gateway.tokenizer
-        assert tokenizer is not None and not tracked(tokenizer)
-        assert gc.get_freeze_count() > frozen_by_engine
+        # The gateway froze again once its tokenizer was built: that tokenizer and the gateway's
+        # state, built before it, are frozen now. (Not judged by the freeze count: it is this
+        # whole test process's, and frozen objects that die leave it; on a loaded machine it
+        # once read 80 fewer after the gateway's freeze than before.)
+        state = gateway.app.state.gateway
+        assert state.tokenizer is not None and not tracked(state.tokenizer)
+        assert not tracked(state) and not tracked(state.metrics)
+        froze = [r.name for r in caplog.records if "froze the startup heap" in r.getMessage()]
+        assert froze == ["engine_svc.gc_heap", "frontend_svc.gc_heap"], froze
         r = httpx.post(
             f"{gateway.url}/v1/completions",
             json={"model": "m", "prompt": "hello", "max_tokens": 3},
@@ -72,9 +77,10 @@ def test_engine_and_gateway_freeze_their_startup_heap(
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
-        frozen_ms = _full_collection_ms()
+        # Best of 3 each: a loaded machine can stall any one collection.
+        frozen_ms = min(_full_collection_ms() for _ in range(3))
         gc.unfreeze()
-        thawed_ms = _full_collection_ms()
+        thawed_ms = min(_full_collection_ms() for _ in range(3))
         # What the freeze is for: a full collection of the same heap is far cheaper frozen.
         assert frozen_ms < thawed_ms / 3, (frozen_ms, thawed_ms)
     finally:
