@@ -35,6 +35,7 @@ gauge and /metrics reports the largest, as a counter, not N times the truth.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -97,9 +98,7 @@ def observe_many(histogram: Histogram, amount: float, times: int) -> None:
             histogram.observe(amount)
         return
     total.inc(amount * times)
-    i = bisect.bisect_left(bounds, amount)  # observe's bucket: the first bound >= amount
-    if i < len(buckets):
-        buckets[i].inc(times)
+    buckets[bisect.bisect_left(bounds, amount)].inc(times)  # observe's: first bound >= amount
 
 
 def length_buckets(max_value: int) -> list[int]:
@@ -385,13 +384,8 @@ class Metrics:
         if step_tokens and sum(step_tokens) == prompt_tokens + generation_tokens:
             # A message merges steps of about the same size (16 steps of 1 token each at one
             # stream): one observation per run of equal counts, not per step.
-            run, times = step_tokens[0], 0
-            for n in step_tokens:
-                if n != run:
-                    observe_many(iteration, run, times)
-                    run, times = n, 0
-                times += 1
-            observe_many(iteration, run, times)
+            for n, run in itertools.groupby(step_tokens):
+                observe_many(iteration, n, sum(1 for _ in run))
         else:
             iteration.observe(prompt_tokens + generation_tokens)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
 FINISHED = "vllm:request_success_total"
@@ -27,10 +28,11 @@ def finished(base_url: str) -> dict[str, float]:
     r = httpx.get(f"{base_url}/metrics", timeout=5)
     assert r.status_code == 200
     counts: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line.startswith(FINISHED + "{"):
-            reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
-            counts[reason] = counts.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name == FINISHED:
+                reason = s.labels["finished_reason"]
+                counts[reason] = counts.get(reason, 0.0) + s.value
     return counts
 
 
