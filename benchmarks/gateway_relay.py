@@ -79,6 +79,8 @@ from relay_client import Progress  # type: ignore[import-not-found]  # noqa: E40
 from relay_standins import READY  # type: ignore[import-not-found]  # noqa: E402
 from serve import _free_port, _process  # type: ignore[import-not-found]  # noqa: E402
 
+from protos.grpc_runtime import prefer_polling_io  # noqa: E402
+
 STANDINS = [sys.executable, str(HERE / "relay_standins.py")]
 CLIENT_ARGV = [sys.executable, str(HERE / "relay_client.py")]
 FLOOR_ARGV = [sys.executable, str(HERE / "relay_grpc_floor.py")]
@@ -118,6 +120,14 @@ def make_tokenizer(tmp: Path) -> tuple[Path, int]:
     return directory, token_id
 
 
+def engine_env() -> dict[str, str]:
+    """The environment of the stand-in engine and the floor client: grpcio's I/O as the engine
+    and the gateway choose it (``protos/grpc_runtime.py``). The gateway chooses its own."""
+    env = dict(os.environ)
+    prefer_polling_io(env)
+    return env
+
+
 def gateway_has_workers_flag() -> bool:
     argv = [sys.executable, "-m", "frontend_svc", "--help"]
     return "--workers" in subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
@@ -151,7 +161,7 @@ def standin_engine(
         argv += ["--progress", str(progress), "--lead-steps", str(lead_steps)]
     if record is not None:
         argv += ["--record", str(record)]
-    with _process(argv, READY, None, tmp / "engine.log") as engine:
+    with _process(argv, READY, None, tmp / "engine.log", engine_env()) as engine:
         yield f"127.0.0.1:{port}", engine.pid
 
 
@@ -193,7 +203,9 @@ def grpc_read_floor(tmp: Path, tokenizer: tuple[Path, int], duration: float) -> 
     (benchmarks/relay_grpc_floor.py): the most a gateway on grpcio relays at one stream."""
     with standin_engine(tmp, tokenizer) as (address, _):
         argv = [*FLOOR_ARGV, "--engine", address, "--duration", str(duration)]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 120)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=duration + 120, env=engine_env()
+        )
     if done.returncode != 0:
         raise RuntimeError(f"the gRPC floor client failed: {done.stderr[-2000:]}")
     floor: dict[str, Any] = orjson.loads(done.stdout.strip().splitlines()[-1])

@@ -349,12 +349,16 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 @contextlib.contextmanager
 def _process(
-    argv: list[str], ready: str | None, url: str | None, log: Path
+    argv: list[str],
+    ready: str | None,
+    url: str | None,
+    log: Path,
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[str]]:
-    """Start a subprocess; wait for a stdout line starting with ``ready`` or for ``url`` to
-    answer 200; always kill it on the way out."""
+    """Start a subprocess (in ``env``, default this one's); wait for a stdout line starting with
+    ``ready`` or for ``url`` to answer 200; always kill it on the way out."""
     with log.open("wb") as err:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(env or os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
         try:
             deadline = time.monotonic() + 120

@@ -11,6 +11,7 @@ from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from engine_svc.core.scheduler import SchedulerConfig
 from engine_svc.lora.config import LoRAConfig, parse_lora_modules
 from engine_svc.lora.errors import LoRAError
+from protos.grpc_runtime import prefer_polling_io
 
 VERSION = "0.1.0"
 
@@ -98,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before anything imports grpc, which reads its experiments then (protos/grpc_runtime.py).
+    too_late = prefer_polling_io()
     args = parse_args(argv)
     from engine_svc.rpc.tls import TlsConfig
 
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if too_late:
+        logging.getLogger("engine_svc").warning(too_late)
     from engine_svc.core.engine_core import EngineCore
     from engine_svc.rpc.server import PortUnavailable, ServerConfig, serve
 

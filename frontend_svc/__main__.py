@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
-import uvicorn
-
-from frontend_svc.app import build_app
-from frontend_svc.config import config_from_args
-from frontend_svc.workers import configure_logging, serve_workers, server_options
+from protos.grpc_runtime import prefer_polling_io
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before anything imports grpc, which reads its experiments then (protos/grpc_runtime.py);
+    # spawned workers inherit the variable.
+    too_late = prefer_polling_io()
+    import uvicorn
+
+    from frontend_svc.app import build_app
+    from frontend_svc.config import config_from_args
+    from frontend_svc.workers import configure_logging, serve_workers, server_options
+
     config = config_from_args(argv)
     configure_logging(config.log_level)
+    if too_late:
+        logging.getLogger(__name__).warning(too_late)
     if config.workers > 1:
         serve_workers(config)
     else:

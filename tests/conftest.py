@@ -5,13 +5,20 @@ used by the integration, deployment and other-language tests alike."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
-import pytest
+from protos.grpc_runtime import prefer_polling_io
 
-from tests.integration.harness import Engine, kill_all
+# The services' grpcio I/O (protos/grpc_runtime.py) for the servers and clients the tests run in
+# this process too; grpc reads it when first imported, which is just below.
+if (_late := prefer_polling_io()) is not None:
+    warnings.warn(_late, stacklevel=1)
+import grpc  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.integration.harness import Engine, kill_all  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
