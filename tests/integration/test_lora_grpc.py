@@ -218,6 +218,10 @@ def test_add_and_remove_while_requests_run(
             assert "alpha" not in names(lora_engine)
             error = status_of(lambda: generate(lora_engine, lora_request("late", "alpha")))
             assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+            # and the request under alpha was still running after the removal (a faster engine
+            # that finished it first would leave this test checking less than it says)
+            probe = generate(lora_engine, lora_request("probe", None, 2))[0]
+            assert "alpha" in probe.load.running_lora_adapters, probe.load
             added = True
         if len(finish) == 3:
             session.half_close()
