@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_from_args(argv)
     configure_logging(config.log_level)
     if too_late:
-        logging.getLogger(__name__).warning(too_late)
+        logging.getLogger("frontend_svc").warning(too_late)
     if config.workers > 1:
         serve_workers(config)
     else:

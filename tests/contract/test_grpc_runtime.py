@@ -79,3 +79,23 @@ def test_entrypoints_choose_before_grpc_is_imported(entrypoint: str, operators: 
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["calls"] == [False]  # called once, before anything imported grpc
     assert report["value"] == (POLLING_IO if operators is None else operators)
+
+
+def _grpc_import_log(experiments: str) -> str:
+    env = dict(os.environ, **{EXPERIMENTS: experiments})
+    done = subprocess.run(
+        [sys.executable, "-c", "import grpc"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_this_grpcio_still_has_the_polling_io() -> None:
+    """A grpcio that dropped the experiments runs on EventEngine whatever is set (and logs one
+    line): this fails then, so that an upgrade cannot undo the choice quietly."""
+    control = _grpc_import_log("-no_such_experiment_tandem")
+    assert "Unknown experiment: no_such_experiment_tandem" in control, control  # the log works
+    log = _grpc_import_log(POLLING_IO)
+    assert "Unknown experiment" not in log, (
+        "this grpcio no longer has the experiments protos/grpc_runtime.py turns off: " + log
+    )
