@@ -4,41 +4,35 @@ same completions, streamed and not, as the session's pair on the polling I/O."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import httpx
+import openai
 import pytest
 
 from protos.grpc_runtime import EXPERIMENTS
-from tests.integration.harness import MODEL, Engine, Gateway
-
-BODY = {
-    "model": MODEL,
-    "prompt": "Hello world",
-    "max_tokens": 40,
-    "temperature": 0,
-    "ignore_eos": True,
-}
+from tests.integration.harness import API_KEY, MODEL, Engine, Gateway
 
 
 def _complete(gateway: Gateway) -> tuple[str, str]:
-    """(non-streamed text, streamed text joined) of BODY."""
-    url, headers = f"{gateway.url}/v1/completions", gateway.headers
-    whole = httpx.post(url, json=BODY, headers=headers, timeout=60)
-    assert whole.status_code == 200, whole.text
-    choice = whole.json()["choices"][0]
-    assert choice["finish_reason"] == "length"
-    parts, finish = [], None
-    with httpx.stream("POST", url, json={**BODY, "stream": True}, headers=headers) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                c = json.loads(line[6:])["choices"][0]
-                parts.append(c["text"])
-                finish = c["finish_reason"] or finish
-    assert finish == "length"
-    return choice["text"], "".join(parts)
+    """(non-streamed text, streamed text joined) of one greedy 40-token completion."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0)
+
+    def create(stream: bool):  # type: ignore[no-untyped-def]
+        return client.completions.create(
+            model=MODEL,
+            prompt="Hello world",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=stream,
+            timeout=60,
+        )
+
+    whole = create(stream=False)
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(create(stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    return whole.choices[0].text, "".join(c.choices[0].text for c in chunks)
 
 
 def test_grpcio_defaults_serve_the_same(
@@ -51,10 +45,10 @@ def test_grpcio_defaults_serve_the_same(
     try:
         engine.wait_ready()
         opted_out = Gateway(engine.address, cache_dir, log_dir)
-        for pid in (engine.popen.pid, opted_out.popen.pid):  # they started with it
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            assert f"{EXPERIMENTS}=".encode() in environ
         try:
+            for pid in (engine.popen.pid, opted_out.popen.pid):  # they started with it
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert f"{EXPERIMENTS}=".encode() in environ
             assert _complete(opted_out.wait_healthy()) == (expected, expected)
         finally:
             opted_out.stop()
