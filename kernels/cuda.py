@@ -6,16 +6,20 @@ architecture of the current device (``sm_90`` on H100/H200, ``sm_75`` on T4: sm_
 the sources build for); the CI compile test builds the same sources with nvcc for sm_75, sm_80
 and sm_90 and the options from :func:`compile_options`.
 
-Kernels are launched on torch's current stream, with tensor data pointers passed as 64-bit
-integers: no copies, and no per-call DLPack capsule (which costs microseconds per tensor on the
-hot path). CuPy is imported only here and only when a kernel is first needed, so ``import
-kernels`` and every CPU path work without it.
+Kernels run on the current CUDA device (the engine calls ``torch.cuda.set_device`` once at
+start): :func:`function` loads a kernel there on first use, and :func:`launch` puts it on
+torch's current stream of that device, with tensor data pointers passed as 64-bit integers. No
+copies, no per-call DLPack capsule, no CuPy device or stream objects: a launch is one CuPy call
+that reads the raw stream handle, so it is cheap and can be captured in a CUDA graph (anything
+compiled or loaded for the first time must be, before capture: ``cuda_ops.preload``). CuPy is
+imported only here and only when a kernel is first needed, so ``import kernels`` and every CPU
+path work without it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +49,7 @@ def import_cupy() -> Any:
     except ImportError as e:
         raise ImportError(
             "Tandem's CUDA kernels need CuPy: pip install 'tandem[gpu]' (cupy-cuda12x). "
-            "Without it, leave TANDEM_CUDA_KERNELS unset to use the torch reference kernels."
+            "Without it, use the torch reference kernels: --attention-backend torch."
         ) from e
     return cupy
 
@@ -59,12 +63,15 @@ def _module(source: str, defines: tuple[tuple[str, int], ...]) -> Any:
 
 @functools.cache
 def function(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> Any:
-    """The kernel ``name`` from ``source`` compiled with ``defines`` (cached). A ValueError,
-    before any compile, for a variant ``kernels.variants`` does not list."""
+    """The kernel ``name`` from ``source`` compiled with ``defines``, loaded on the current
+    device (cached: compiled and loaded once per process). A ValueError, before any compile,
+    for a variant ``kernels.variants`` does not list."""
     error = variants.variant_error(source, defines)
     if error is not None:
         raise ValueError(error)
-    return _module(source, defines).get_function(name)
+    # RawModule.get_function compiles the module and loads it on the current device; .kernel
+    # is the loaded cupy.cuda.Function, launched directly (no per-call device lookup).
+    return _module(source, defines).get_function(name).kernel
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:
@@ -72,16 +79,36 @@ def ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+class _TorchStream:
+    """What CuPy's ``Function.__call__`` takes as ``stream``: it reads only ``.ptr``, here
+    torch's current raw stream on the current device (a capturing stream during graph capture).
+    """
+
+    __slots__ = ()
+
+    @property
+    def ptr(self) -> int:
+        return _current_stream()
+
+
+def _raw_stream_getter() -> Callable[[], int]:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:  # no Stream object built per call
+        return lambda: int(raw(torch.cuda.current_device()))
+    return lambda: int(torch.cuda.current_stream().cuda_stream)
+
+
+_current_stream = _raw_stream_getter()
+_STREAM = _TorchStream()
+
+
 def launch(
     kernel: Any,
-    grid: Sequence[int],
-    block: Sequence[int],
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
     args: Sequence[Any],
-    device: torch.device,
     shared_mem: int = 0,
 ) -> None:
-    """Launch on ``device`` in torch's current stream there (asynchronous, like a torch op)."""
-    cupy = import_cupy()
-    stream = torch.cuda.current_stream(device).cuda_stream
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream, device.index):
-        kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    """Launch ``kernel`` (from :func:`function`) on torch's current stream of the current
+    device: asynchronous like a torch op, and capturable in a CUDA graph."""
+    kernel(grid, block, args, shared_mem, _STREAM)

@@ -4,20 +4,29 @@
 // -DHEAD_DIM=...; kernels/variants.py lists the sizes built); extern "C" entry points per number
 // of query heads one thread block serves (QPB: 1, 2, 4 or 8 heads that share one KV head).
 //
-//   grid  = (num_heads / QPB, num_seqs, num_partitions)     block = 128 threads
+//   grid  = (num_heads / QPB, num_seqs, P)     block = 128 threads     (P = max_partitions)
 //
-//   context of one sequence, split into partitions of PARTITION_SIZE tokens (split-K):
-//     |<---- partition 0 ---->|<---- partition 1 ---->|<-- 2 -->|
+//   Split-K: each sequence's context is cut into at most P partitions, laid out on the device
+//   from the sequence's own length, so one launch shape (one CUDA graph per batch size) serves
+//   every context up to the bound P was chosen for:
+//     part_len  = max(MIN_PARTITION, round_up(ceil(seq_len / P), PARTITION_ALIGN))
+//     num_parts = ceil(seq_len / part_len) <= P      thread blocks with part >= num_parts exit
+//
+//   seq_len = 1000, P = 4: part_len = max(128, round_up(250, 16)) = 256, num_parts = 4
+//     |<- part 0: 0..255 ->|<- part 1: 256..511 ->|<- 2: 512..767 ->|<- 3: 768..999 ->|
+//   seq_len = 300, P = 4:  part_len = 128, num_parts = 3 (the blocks of part 3 exit)
+//
 //   token t lives in block block_table[t / block_size], row t % block_size:
-//     k_cache[block][t % block_size][kv_head][:]
+//     k_cache[block][t % block_size][kv_head][:]          (block tables are int32)
 //
 // Inside a thread block, TG lanes share one token (each lane owns 16-byte chunks of the head
 // dimension) and the block's 128 / TG lane groups walk the partition's tokens in a stride,
 // each keeping its own online softmax (running max m, running sum l, accumulator acc) in fp32.
 // Scores are kept in the log2 domain (the query is pre-scaled by scale * log2(e)). The groups
 // are merged through shared memory. A sequence with one partition writes `out` directly;
-// otherwise each partition writes (acc, m, l) to float32 scratch and the reduce kernel merges
-// the partitions:
+// otherwise each partition writes (acc, m, l) to float32 scratch, indexed with this launch's P
+// ([num_seqs, num_heads, P, HEAD_DIM]: a prefix of the caller's workspace), and the reduce
+// kernel merges the partitions:
 //   M = max_p m_p,  L = sum_p l_p 2^(m_p - M),  out = sum_p acc_p 2^(m_p - M) / L
 #include "tandem_common.cuh"
 
@@ -26,19 +35,31 @@
 #endif
 
 #define DECODE_THREADS 128
-#define PARTITION_SIZE 512
+// Equal to MIN_PARTITION and PARTITION_ALIGN in kernels/cuda_ops.py.
+#define MIN_PARTITION 128
+#define PARTITION_ALIGN 16
+
+// Tokens per partition of a context of seq_len > 0 tokens split at most `partitions` ways (see
+// the top of the file). Mirrored by kernels.cuda_ops.decode_partition_len, whose CPU test checks
+// that the used partitions cover every token exactly once.
+__device__ __forceinline__ int partition_len(int seq_len, int partitions) {
+  const int even = (seq_len + partitions - 1) / partitions;
+  const int aligned = (even + PARTITION_ALIGN - 1) / PARTITION_ALIGN * PARTITION_ALIGN;
+  return max(MIN_PARTITION, aligned);
+}
 
 // K and V chunks of token t for this lane (zeros for padding lanes and for t >= end).
 template <typename T, int CPL, int TG, int NCHUNK>
 __device__ __forceinline__ void load_token(const T* __restrict__ k_cache,
                                            const T* __restrict__ v_cache,
-                                           const i64* __restrict__ bt, int block_size,
+                                           const int* __restrict__ bt, int block_size,
                                            i64 row_stride, i64 head_off, int t, int end, int gl,
                                            Pack<T>* kp, Pack<T>* vp) {
   constexpr int VEC = Pack<T>::N;
   const bool valid = t < end;
   i64 base = 0;
-  if (valid) base = (bt[t / block_size] * block_size + t % block_size) * row_stride + head_off;
+  if (valid)
+    base = ((i64)bt[t / block_size] * block_size + t % block_size) * row_stride + head_off;
 #pragma unroll
   for (int c = 0; c < CPL; ++c) {
     const int chunk = gl + c * TG;
@@ -55,13 +76,13 @@ __device__ __forceinline__ void load_token(const T* __restrict__ k_cache,
 template <typename T, int QPB>
 __device__ __forceinline__ void paged_decode_impl(
     T* __restrict__ out,              // [num_seqs, num_heads, HEAD_DIM], contiguous
-    float* __restrict__ part_out,     // [num_seqs, num_heads, max_partitions, HEAD_DIM]
-    float* __restrict__ part_max,     // [num_seqs, num_heads, max_partitions]
-    float* __restrict__ part_sum,     // [num_seqs, num_heads, max_partitions]
+    float* __restrict__ part_out,     // [num_seqs, num_heads, P, HEAD_DIM]; P = max_partitions
+    float* __restrict__ part_max,     // [num_seqs, num_heads, P]
+    float* __restrict__ part_sum,     // [num_seqs, num_heads, P]
     const T* __restrict__ q,          // [num_seqs, num_heads, HEAD_DIM], last stride 1
     const T* __restrict__ k_cache,    // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
     const T* __restrict__ v_cache,
-    const i64* __restrict__ block_tables,  // [>= num_seqs, bt_stride]
+    const int* __restrict__ block_tables,  // [>= num_seqs, bt_stride] int32
     const int* __restrict__ seq_lens,      // [num_seqs]
     int num_heads, int num_kv_heads, int block_size, int bt_stride, i64 q_stride_tok,
     int q_stride_head, int max_partitions, float scale_log2) {
@@ -85,13 +106,14 @@ __device__ __forceinline__ void paged_decode_impl(
   const int seq = blockIdx.y;
   const int part = blockIdx.z;
   const int seq_len = seq_lens[seq];
-  const int num_parts = (seq_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
   if (seq_len <= 0) {  // padding row: defined output instead of 0/0
     if (part == 0)
       for (int i = threadIdx.x; i < QPB * HEAD_DIM; i += DECODE_THREADS)
         out[((i64)seq * num_heads + head0) * HEAD_DIM + i] = from_float<T>(0.0f);
     return;
   }
+  const int part_len = partition_len(seq_len, max_partitions);
+  const int num_parts = (seq_len + part_len - 1) / part_len;
   if (part >= num_parts) return;
 
   const int kv_head = head0 / (num_heads / num_kv_heads);
@@ -123,9 +145,9 @@ __device__ __forceinline__ void paged_decode_impl(
       for (int i = 0; i < VEC; ++i) acc[g][c][i] = 0.0f;
   }
 
-  const int start = part * PARTITION_SIZE;
-  const int end = min(start + PARTITION_SIZE, seq_len);
-  const i64* bt = block_tables + (i64)seq * bt_stride;
+  const int start = part * part_len;  // < seq_len, as part < num_parts
+  const int end = min(start + part_len, seq_len);
+  const int* bt = block_tables + (i64)seq * bt_stride;
   const i64 row_stride = (i64)num_kv_heads * HEAD_DIM;
   const i64 head_off = (i64)kv_head * HEAD_DIM;
 
@@ -223,6 +245,7 @@ __device__ __forceinline__ void paged_decode_impl(
 }
 
 // grid = (num_heads, num_seqs), block = DECODE_THREADS, dynamic shared = max_partitions floats.
+// Computes each sequence's num_parts as the partition kernel does, from seq_lens and P.
 template <typename T>
 __device__ __forceinline__ void paged_decode_reduce_impl(
     T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_max,
@@ -231,7 +254,10 @@ __device__ __forceinline__ void paged_decode_reduce_impl(
   extern __shared__ float weights[];
   __shared__ float scratch[33];
   const int head = blockIdx.x, seq = blockIdx.y;
-  const int num_parts = (seq_lens[seq] + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  const int seq_len = seq_lens[seq];
+  if (seq_len <= 0) return;  // a padding row, written by the partition kernel
+  const int part_len = partition_len(seq_len, max_partitions);
+  const int num_parts = (seq_len + part_len - 1) / part_len;
   if (num_parts <= 1) return;  // written directly by the partition kernel
   const i64 row = (i64)seq * num_heads + head;
   const float* pm = part_max + row * max_partitions;
@@ -262,7 +288,7 @@ __device__ __forceinline__ void paged_decode_reduce_impl(
 #define DEFINE_DECODE(NAME, T, QPB)                                                           \
   extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_BLOCKS(QPB))      \
       NAME(T* out, float* part_out, float* part_max, float* part_sum, const T* q,           \
-           const T* k_cache, const T* v_cache, const i64* block_tables, const int* seq_lens, \
+           const T* k_cache, const T* v_cache, const int* block_tables, const int* seq_lens, \
            int num_heads, int num_kv_heads, int block_size, int bt_stride, i64 q_stride_tok, \
            int q_stride_head, int max_partitions, float scale_log2) {                       \
     paged_decode_impl<T, QPB>(out, part_out, part_max, part_sum, q, k_cache, v_cache,      \

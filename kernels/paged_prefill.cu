@@ -5,6 +5,7 @@
 // -DHEAD_DIM=...; kernels/variants.py lists the sizes built).
 //
 //   grid  = (ceil(max_q_len / BLOCK_M), num_prefill_reqs, num_heads)    block = 128 threads
+//   block tables are int32: key at position pos lives in block bt[pos / block_size]
 //
 //   request r owns query rows query_start_loc[r] .. query_start_loc[r+1]; its context holds
 //   seq_len tokens, the last q_len of which are this step's queries, so query i sits at
@@ -34,7 +35,7 @@ __device__ __forceinline__ void paged_prefill_impl(
     const T* __restrict__ q,          // [num_tokens, num_heads, HEAD_DIM], last stride 1
     const T* __restrict__ k_cache,    // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
     const T* __restrict__ v_cache,
-    const i64* __restrict__ block_tables,     // [num_reqs, bt_stride]
+    const int* __restrict__ block_tables,     // [num_reqs, bt_stride] int32
     const int* __restrict__ seq_lens,         // [num_reqs]
     const int* __restrict__ query_start_loc,  // [num_reqs + 1]
     int req_offset, int num_heads, int num_kv_heads, int block_size, int bt_stride,
@@ -63,7 +64,7 @@ __device__ __forceinline__ void paged_prefill_impl(
   const int seq_len = seq_lens[req];
   const int ctx = seq_len - q_len;  // tokens before this step's first query
   const int kv_head = head / (num_heads / num_kv_heads);
-  const i64* bt = block_tables + (i64)req * bt_stride;
+  const int* bt = block_tables + (i64)req * bt_stride;
   const i64 row_stride = (i64)num_kv_heads * HEAD_DIM;
 
   for (int idx = threadIdx.x; idx < BLOCK_M * HEAD_DIM; idx += PREFILL_THREADS) {
@@ -91,8 +92,8 @@ __device__ __forceinline__ void paged_prefill_impl(
       const int pos = n0 + j;
       Pack<T> kp = zero_pack<T>(), vp = zero_pack<T>();  // zeros keep 0 * V finite
       if (pos < kv_end) {
-        const i64 base = (bt[pos / block_size] * block_size + pos % block_size) * row_stride +
-                         (i64)kv_head * HEAD_DIM + ch * VEC;
+        const i64 slot = (i64)bt[pos / block_size] * block_size + pos % block_size;
+        const i64 base = slot * row_stride + (i64)kv_head * HEAD_DIM + ch * VEC;
         kp = load_pack(k_cache + base);
         vp = load_pack(v_cache + base);
       }
@@ -154,7 +155,7 @@ __device__ __forceinline__ void paged_prefill_impl(
 
 #define DEFINE_PREFILL(NAME, T)                                                                \
   extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                              \
-      NAME(T* out, const T* q, const T* k_cache, const T* v_cache, const i64* block_tables,  \
+      NAME(T* out, const T* q, const T* k_cache, const T* v_cache, const int* block_tables,  \
            const int* seq_lens, const int* query_start_loc, int req_offset, int num_heads,   \
            int num_kv_heads, int block_size, int bt_stride, i64 q_stride_tok,                \
            int q_stride_head, float scale_log2) {                                            \

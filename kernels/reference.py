@@ -34,11 +34,15 @@ def write_kv_cache(
     vc.index_copy_(0, slot_mapping, value.to(vc.dtype))
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of each ``[gate | up]`` row (last dim), computed in place on the gate
-    half: the result is a view of ``gate_up``, no [tokens, intermediate] temporaries."""
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of each ``[gate | up]`` row (last dim), rounded to the dtype after the
+    silu and after the product. Without ``out`` computed in place on the gate half (the CPU
+    path): the result is a view of ``gate_up``, no [tokens, intermediate] temporaries. With
+    ``out`` ([..., I], like the CUDA wrapper's result) written there, ``gate_up`` untouched."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)
+    if out is None:
+        return F.silu(gate, inplace=True).mul_(up)
+    return torch.mul(F.silu(gate), up, out=out)
 
 
 def paged_attention(

@@ -1,10 +1,13 @@
-"""Pure-torch references for RMSNorm (plain and fused with the residual add) and the neox rotary
-embedding: the ground truth for the kernels in ``norm_rope.cu``, with the same signatures as the
-wrappers in ``kernels.cuda_ops``. They round exactly where the model's layers round."""
+"""Pure-torch references for RMSNorm (plain and fused with the residual add), the neox rotary
+embedding, and the two fused into one layer's attention prologue with the KV cache write: the
+ground truth for the kernels in ``norm_rope.cu``, with the same signatures as the wrappers in
+``kernels.cuda_ops``. They round exactly where the model's layers round."""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.reference import write_kv_cache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,3 +63,40 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if 2 * h < x.shape[-1]:
         out[..., 2 * h :] = x[..., 2 * h :]
     return out
+
+
+def qk_norm_rope_kv(
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D], unit stride in a row
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [max_positions, rot_dim] float32, first half repeated
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,  # [D], or None with k_weight (no q/k norm)
+    k_weight: torch.Tensor | None,
+    eps: float,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; slot < 0: a padding token, written nowhere
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """One layer's attention prologue, as the model's unfused layers compute it: q and k
+    RMSNorm-ed (when weights are given), rotated with ``rotate_neox`` at cos/sin looked up as
+    ``RotaryEmbedding.lookup`` does, k and v written to the caches at ``slot_mapping``; the
+    rotated q and k copied back into ``qkv``. Returns the q part of ``qkv`` as a view
+    [T, H, D]."""
+    t, d = qkv.shape[0], key_cache.shape[-1]
+    q_size, kv_size = num_heads * d, num_kv_heads * d
+    q = qkv[:, :q_size].view(t, num_heads, d)
+    k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, d)
+    v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, d)
+    qn, kn = q, k
+    if q_weight is not None and k_weight is not None:
+        qn, kn = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    half = cos.shape[-1] // 2
+    c = cos[positions, :half].to(qkv.dtype).unsqueeze(1)
+    s = sin[positions, :half].to(qkv.dtype).unsqueeze(1)
+    qr, kr = rotate_neox(qn, c, s), rotate_neox(kn, c, s)
+    write_kv_cache(kr, v, key_cache, value_cache, slot_mapping)
+    q.copy_(qr)
+    k.copy_(kr)
+    return q

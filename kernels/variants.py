@@ -1,10 +1,10 @@
 """Which kernel variants are built: the one list the wrappers check before compiling anything and
 the CI compile test (tests/kernels/test_nvcc_compile.py) builds, so the two cannot drift apart.
 
-cache_ops.cu and norm_rope.cu are one module each, with every dtype and no size limit. The
-attention sources are compiled at run time once per (dtype, head_dim) a model needs, and only
-for the head sizes in :data:`HEAD_DIMS`; the compile test builds the boundaries of each range for
-sm_75, sm_80 and sm_90 and checks the next size up is refused by the sources themselves.
+cache_ops.cu, norm_rope.cu and activation.cu are one module each, with every dtype and no size
+limit. The attention sources are compiled at run time once per (dtype, head_dim) a model needs,
+and only for the head sizes in :data:`HEAD_DIMS`; the compile test builds the boundaries of each
+range for sm_75, sm_80 and sm_90 and checks the next size up is refused by the sources themselves.
 
 No torch here: dtypes are the entry-point suffixes (``f16``, ``bf16``, ``f32``).
 """
@@ -61,7 +61,7 @@ def head_dim_error(source: str, dtype: str, head_dim: int) -> str | None:
     return (
         f"CUDA {kind} attention is built for {DTYPE_NAMES[dtype]} head_dim a multiple of "
         f"{dims.multiple} and at most {dims.max}, got {head_dim}; use the torch reference "
-        "(unset TANDEM_CUDA_KERNELS)"
+        "(--attention-backend torch)"
     )
 
 
@@ -91,6 +91,7 @@ def _ci_head_dims(dims: HeadDims) -> list[int]:
 CI_VARIANTS: tuple[tuple[str, Defines], ...] = (
     ("cache_ops.cu", ()),
     ("norm_rope.cu", ()),
+    ("activation.cu", ()),
     *(
         (source, attention_defines(dtype, d))
         for (source, dtype), dims in HEAD_DIMS.items()

@@ -16,6 +16,13 @@ ATTN_TOL = {
     torch.float16: dict(atol=2e-3, rtol=1e-2),
     torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
 }
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# Elementwise kernels vs their references: one rounding step of the dtype.
+ONE_STEP = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
 
 
 @dataclass
@@ -50,10 +57,12 @@ def make_case(
     block_size: int = 16,
     seed: int = 0,
     device: str = "cuda",
+    index_dtype: torch.dtype = torch.int64,
 ) -> AttentionCase:
     """Requests with ``q_lens`` query tokens each over contexts of ``seq_lens`` (including the
     queries). Leading single-token requests count as decodes. Blocks are scattered at random and
-    block 0 is never used, as in the engine's pool."""
+    block 0 is never used, as in the engine's pool. ``index_dtype``: of the block tables,
+    ``seq_lens`` and ``query_start_loc`` (the engine's are int32; the slot mapping is int64)."""
     assert all(0 < q <= s for q, s in zip(q_lens, seq_lens, strict=True))
     rng = random.Random(seed)
     need = [-(-s // block_size) for s in seq_lens]
@@ -86,9 +95,9 @@ def make_case(
         num_decodes=num_decodes,
         num_tokens=starts[-1],
         slot_mapping=torch.cat(slots).to(device),
-        block_tables=tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+        block_tables=tables.to(device, index_dtype),
+        seq_lens=torch.tensor(seq_lens, dtype=index_dtype, device=device),
+        query_start_loc=torch.tensor(starts, dtype=index_dtype, device=device),
         seq_lens_cpu=list(seq_lens),
         query_start_loc_cpu=starts,
         max_decode_seq_len=max(seq_lens[:num_decodes], default=0),

@@ -1,10 +1,19 @@
 """CUDA paged attention (paged_decode.cu, paged_prefill.cu) against the torch reference on random
 batches: block boundaries, GQA ratios 1/4/7/8, contexts 1..8192, batch 1..256, head sizes 24 to
-256. Unused cache slots, the output and the allocator are NaN-poisoned, so a kernel that reads
-outside a context or leaves an element unwritten fails. Tolerances: tests/gpu/helpers.ATTN_TOL."""
+256, int32 block tables (the engine's) and int64 ones (converted by the wrapper). Unused cache
+slots, the output, the allocator and the split-K workspace are NaN-poisoned, so a kernel that
+reads outside a context or leaves an element unwritten fails. Tolerances:
+tests/gpu/helpers.ATTN_TOL.
+
+Split-K: the decode result does not depend on the partition count (P = 1, 2, 7 and the policy's
+value, contexts crossing partition and block boundaries), and a decode launch captured in a CUDA
+graph and replayed after its inputs changed in place gives the same bits as an eager launch on
+the changed inputs."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 
 import pytest
@@ -16,9 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from kernels import cuda_ops, reference  # noqa: E402
-from tests.gpu.helpers import ATTN_TOL, AttentionCase, make_case, poison_allocator  # noqa: E402
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+from tests.gpu.helpers import ATTN_TOL, DTYPES, AttentionCase, make_case, poison_allocator  # noqa: E402
 
 
 def _check(case: AttentionCase) -> None:
@@ -37,6 +44,10 @@ def _check(case: AttentionCase) -> None:
     torch.testing.assert_close(got, want, **ATTN_TOL[case.query.dtype])
 
 
+# make_case with the engine's int32 block tables, seq_lens and query_start_loc.
+_case = functools.partial(make_case, index_dtype=torch.int32)
+
+
 def _lens(n: int, lo: int, hi: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(lo, hi) for _ in range(n)]
@@ -46,7 +57,8 @@ def _lens(n: int, lo: int, hi: int, seed: int) -> list[int]:
 DECODE = [
     ([1], 8, 8, 128, 16),
     ([15, 16, 17, 31, 32, 33], 32, 8, 128, 16),
-    ([511, 512, 513, 1023, 1024, 1025], 32, 4, 128, 16),  # partition boundaries
+    ([127, 128, 129, 255, 256, 257], 32, 4, 128, 16),  # MIN_PARTITION boundaries
+    ([511, 512, 513, 1023, 1024, 1025], 32, 4, 128, 16),
     ([1, 100, 4097, 777, 8192], 32, 8, 128, 16),
     (_lens(64, 1, 2048, 1), 32, 8, 128, 16),
     (_lens(256, 1, 1024, 2), 16, 4, 64, 16),
@@ -62,7 +74,7 @@ DECODE = [
 @pytest.mark.parametrize("spec", DECODE, ids=lambda s: f"b{len(s[0])}-h{s[1]}/{s[2]}-d{s[3]}")
 def test_decode_matches_reference(spec: tuple, dtype: torch.dtype) -> None:
     seq_lens, h, hkv, d, bs = spec
-    _check(make_case([1] * len(seq_lens), seq_lens, h, hkv, d, dtype, block_size=bs))
+    _check(_case([1] * len(seq_lens), seq_lens, h, hkv, d, dtype, block_size=bs))
 
 
 # (q_lens, seq_lens, num_heads, num_kv_heads, head_dim)
@@ -85,11 +97,130 @@ def test_prefill_matches_reference(spec: tuple, dtype: torch.dtype) -> None:
     seq_lens = [max(s, q) for q, s in zip(q_lens, seq_lens, strict=True)]
     if dtype == torch.float32 and d > 128:
         pytest.skip("fp32 prefill supports head_dim <= 128")
-    _check(make_case(q_lens, seq_lens, h, hkv, d, dtype))
+    _check(_case(q_lens, seq_lens, h, hkv, d, dtype))
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 1, 40]], ids=["decode", "mixed"])
+def test_int64_block_tables_are_converted(q_lens: list[int]) -> None:
+    """Tests (and the torch reference) may hand int64 tables and lengths: the wrapper converts
+    them, and a table that is a strided view (a column slice) too."""
+    _check(make_case(q_lens, [700, 33, 90], 8, 2, 64, torch.bfloat16))
+    case = _case(q_lens, [700, 33, 90], 8, 2, 64, torch.float16)
+    wide = torch.zeros(3, 2 * case.meta.block_tables.shape[1], dtype=torch.int32, device="cuda")
+    wide[:, ::2] = case.meta.block_tables
+    case.meta = dataclasses.replace(case.meta, block_tables=wide[:, ::2])
+    _check(case)
+
+
+# (seq_lens, num_heads, num_kv_heads, head_dim, block_size): contexts on both sides of
+# partition lengths for P = 2 and 7 (multiples of 16, at least 128) and of block boundaries.
+SPLITS = [
+    ([1, 127, 128, 129, 256, 257, 895, 896, 897, 1000, 4097], 32, 8, 128, 16),
+    (_lens(12, 1, 5000, 9), 16, 2, 64, 32),
+    (_lens(5, 100, 2000, 10), 4, 2, 24, 16),
+    (_lens(3, 1, 3000, 11), 8, 1, 256, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", SPLITS, ids=lambda s: f"b{len(s[0])}-h{s[1]}/{s[2]}-d{s[3]}")
+def test_decode_is_the_same_for_every_partition_count(spec: tuple, dtype: torch.dtype) -> None:
+    seq_lens, h, hkv, d, bs = spec
+    case = _case([1] * len(seq_lens), seq_lens, h, hkv, d, dtype, block_size=bs)
+    args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    want = reference.paged_attention(*args)
+    case.poison_unused_slots()
+    dev = case.query.device
+    policy = cuda_ops.decode_partitions(len(seq_lens), h, hkv, max(seq_lens), cuda_ops.num_sms(dev))
+    counts = sorted({1, 2, 7, policy})
+    workspace = cuda_ops.DecodeWorkspace(len(seq_lens), h, d, max(counts), dev)
+    results = []
+    for p in counts:
+        for buf in (workspace.part_out, workspace.part_max, workspace.part_sum):
+            buf.fill_(float("nan"))
+        out = torch.full_like(case.query, float("nan"))
+        cuda_ops.paged_attention(*args, out=out, partitions=p, workspace=workspace)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"P={p}: {int(out.isnan().sum())} NaN outputs"
+        torch.testing.assert_close(out, want, **ATTN_TOL[dtype], msg=lambda m, p=p: f"P={p}: {m}")
+        results.append(out)
+    for p, out in zip(counts[1:], results[1:], strict=True):
+        torch.testing.assert_close(
+            out, results[0], **ATTN_TOL[dtype], msg=lambda m, p=p: f"P={p} vs P=1: {m}"
+        )
+
+
+def test_workspace_too_small_is_a_clear_error() -> None:
+    case = _case([1, 1], [600, 20], 8, 2, 64, torch.float16)
+    args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    small = cuda_ops.DecodeWorkspace(1, 8, 64, 4, "cuda")
+    with pytest.raises(ValueError, match="too small"):
+        cuda_ops.paged_attention(*args, partitions=4, workspace=small)
+    with pytest.raises(ValueError, match="partitions must be"):
+        cuda_ops.paged_attention(*args, partitions=0)
+    cuda_ops.paged_attention(*args, partitions=2, workspace=small)  # 2 x 8 x 2 rows fit 1 x 8 x 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_graph_replay_equals_eager(dtype: torch.dtype) -> None:
+    """The engine's use: one decode launch captured per batch size with ``partitions`` from the
+    context bound and a fixed workspace, replayed each step after the step's query, seq_lens and
+    block tables were written into the same tensors. The replay must give exactly the eager
+    launch's bits on the new inputs, whatever the contexts."""
+    bound, (h, hkv, d) = 3000, (32, 8, 128)
+    first = [3000, 1, 129, 700, 2048, 17, 1500, 2999]
+    case = _case([1] * len(first), first, h, hkv, d, dtype)
+    b, dev = len(first), case.query.device
+    partitions = cuda_ops.decode_partitions(b, h, hkv, bound, cuda_ops.num_sms(dev))
+    assert partitions > 1, "the test needs a split launch"
+    workspace = cuda_ops.DecodeWorkspace(b, h, d, partitions, dev)
+    for buf in (workspace.part_out, workspace.part_max, workspace.part_sum):
+        buf.fill_(float("nan"))
+    # The graph's metadata carries host-side lengths that are wrong for every later step: the
+    # decode path with explicit partitions must not read them.
+    meta = dataclasses.replace(case.meta, seq_lens_cpu=[1] * b, max_decode_seq_len=1)
+    out = torch.full_like(case.query, float("nan"))
+
+    def run() -> torch.Tensor:
+        return cuda_ops.paged_attention(
+            case.query, case.key_cache, case.value_cache, meta, case.scale,
+            out=out, partitions=partitions, workspace=workspace,
+        )  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch advises
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    # A new step in the same tensors: other contexts, other blocks, another query.
+    lens = [5, 3000, 2048, 1, 130, 999, 2500, 64]
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = case.key_cache.shape[0]
+    tables = torch.randint(1, num_blocks, tuple(meta.block_tables.shape), generator=gen)
+    meta.block_tables.copy_(tables.to(torch.int32))
+    meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    case.query.copy_(torch.randn(case.query.shape, generator=gen).to(dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    replayed = out.clone()
+    eager = cuda_ops.paged_attention(
+        case.query, case.key_cache, case.value_cache, meta, case.scale,
+        partitions=partitions, workspace=workspace,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert not replayed.isnan().any(), f"{int(replayed.isnan().sum())} NaN outputs"
+    assert torch.equal(replayed, eager), "replay differs from the eager launch"
+    now = dataclasses.replace(meta, seq_lens_cpu=lens, max_decode_seq_len=max(lens))
+    want = reference.paged_attention(case.query, case.key_cache, case.value_cache, now, case.scale)
+    torch.testing.assert_close(replayed, want, **ATTN_TOL[dtype])
 
 
 def test_unsupported_head_dim_is_a_clear_error() -> None:
-    case = make_case([1], [10], 4, 4, 20, torch.float16)  # 20 halves: not whole 16-byte chunks
+    case = _case([1], [10], 4, 4, 20, torch.float16)  # 20 halves: not whole 16-byte chunks
     with pytest.raises(ValueError, match="head_dim"):
         cuda_ops.paged_attention(
             case.query, case.key_cache, case.value_cache, case.meta, case.scale
@@ -97,7 +228,7 @@ def test_unsupported_head_dim_is_a_clear_error() -> None:
 
 
 def test_shape_and_dtype_checks() -> None:
-    case = make_case([1, 1], [10, 20], 8, 2, 64, torch.float16)
+    case = _case([1, 1], [10, 20], 8, 2, 64, torch.float16)
     with pytest.raises(ValueError, match="must match"):
         cuda_ops.paged_attention(
             case.query.float(), case.key_cache, case.value_cache, case.meta, case.scale

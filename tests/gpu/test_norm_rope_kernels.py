@@ -19,13 +19,8 @@ if not torch.cuda.is_available():
 
 from kernels import cuda_ops  # noqa: E402
 from kernels import reference_norm_rope as ref  # noqa: E402
+from tests.gpu.helpers import DTYPES, ONE_STEP  # noqa: E402
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-ONE_STEP = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
 IN_DTYPE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     torch.float16: dict(atol=1e-2, rtol=1e-2),

@@ -56,7 +56,10 @@ def _expected(source: str, defines: variants.Defines) -> set[str]:
     if source == "cache_ops.cu":
         return {f"write_kv_cache_b{u}" for u in (16, 4, 2)}
     if source == "norm_rope.cu":
-        return {f"{k}_{s}" for k in ("rms_norm", "rotary_neox") for s in variants.DTYPES}
+        kinds = ("rms_norm", "rotary_neox", "qk_norm_rope_kv")
+        return {f"{k}_{s}" for k in kinds for s in variants.DTYPES}
+    if source == "activation.cu":
+        return {f"silu_and_mul_{s}" for s in variants.DTYPES}
     (dtype,) = (t for t in variants.DTYPES if dict(defines).get(f"WITH_{t.upper()}"))
     if source == variants.DECODE:
         return {f"paged_decode_{dtype}_q{q}" for q in (1, 2, 4, 8)} | {
