@@ -28,8 +28,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "cpu", "cuda"],
-        help="auto: the C decode kernel on the CPU (torch if no C compiler), torch on CUDA "
-        "(cuda with TANDEM_CUDA_KERNELS=1)",
+        help="auto: the C decode kernel on the CPU (torch if no C compiler), the CUDA kernels "
+        "on CUDA (torch if CuPy is missing or their start-up check fails)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never capture CUDA graphs: every step runs the model eagerly",
+    )
+    p.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="decode batch sizes captured as CUDA graphs: one value is the largest (with 1, 2, "
+        "4 and multiples of 8 below it), several the exact list (default: up to "
+        "--max-num-seqs, at most 512)",
+    )
+    p.add_argument(
+        "--max-cuda-graph-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the largest decode batch captured as a CUDA graph (same as one --cuda-graph-sizes "
+        "value); larger decode steps run eagerly",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -107,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tls = TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         lora_config = _lora_config(args)
+        _cuda_graph_sizes(args)
     except ValueError as e:
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
     logging.basicConfig(
@@ -158,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
             ),
             device=args.device,
             attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_sizes=_cuda_graph_sizes(args),
             lora=lora_config,
             profile_dir=args.profile_dir,
         )
@@ -181,6 +207,21 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(build, server))
     except (PortUnavailable, LoRAError) as e:  # others keep their traceback: a bug, a bad model
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
+
+
+def _cuda_graph_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--cuda-graph-sizes or --max-cuda-graph-batch-size (not both); ValueError names the flag."""
+    if args.cuda_graph_sizes is not None and args.max_cuda_graph_batch_size is not None:
+        raise ValueError("give --cuda-graph-sizes or --max-cuda-graph-batch-size, not both")
+    if args.max_cuda_graph_batch_size is not None:
+        sizes: list[int] = [args.max_cuda_graph_batch_size]
+    elif args.cuda_graph_sizes is not None:
+        sizes = args.cuda_graph_sizes
+    else:
+        return None
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"CUDA graph batch sizes must be at least 1, got {sizes}")
+    return tuple(sizes)
 
 
 def _lora_config(args: argparse.Namespace) -> LoRAConfig | None:

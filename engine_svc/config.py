@@ -75,17 +75,28 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # auto | cpu | cuda
     # auto | torch | cpu | cuda (kernels.attention_backends); auto: the C kernel on the CPU,
-    # torch on CUDA (cuda with TANDEM_CUDA_KERNELS=1 until the kernels are verified on a GPU).
+    # the CUDA kernels on CUDA (torch when CuPy or the kernels' start-up check fails).
     attention_backend: str = "auto"
     # Pad decode-only steps to batch-size buckets in static buffers (what CUDA graphs need).
     # None: on CUDA only (on the CPU padding is pure cost).
     pad_decode_batches: bool | None = None
+    # Never capture CUDA graphs: every step runs the model eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes): one value is the
+    # largest, with 1, 2, 4, then multiples of 8 below it; several are the exact list. None:
+    # up to max_num_seqs (at most 512). Decode steps are padded to the next size; larger
+    # ones run eagerly.
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Multi-LoRA serving (--enable-lora and friends); None: the engine serves no adapters.
     lora: LoRAConfig | None = None
     # Where StartProfile / StopProfile write torch profiler traces; None: profiling is off.
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+                raise ValueError(f"cuda_graph_sizes must be positive integers, got {sizes!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "

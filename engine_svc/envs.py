@@ -15,12 +15,6 @@ def log_level() -> str:
     return os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
 
 
-def cuda_kernels_enabled() -> bool:
-    """Run the CUDA C kernels (kernels/*.cu through CuPy) on CUDA tensors instead of the torch
-    references (TANDEM_CUDA_KERNELS=1). Off by default until they are verified on a GPU."""
-    return os.environ.get("TANDEM_CUDA_KERNELS", "0") == "1"
-
-
 def profile_dir() -> str | None:
     """Where StartProfile / StopProfile write torch profiler traces (TANDEM_PROFILE_DIR, the
     default of --profile-dir; unset: profiling is off). vLLM's VLLM_TORCH_PROFILER_DIR."""

@@ -10,12 +10,22 @@ and testable against each other. They differ in how attention reads it:
             (kernels/paged_decode_cpu.c: no gather, no padding, the cache's dtype); prefill
             chunks through torch's scaled_dot_product_attention per request. RMSNorm (with
             the residual add) and SiLU-and-multiply in one pass each (norm_act_cpu.c).
-    cuda    the CUDA C kernels (paged_decode.cu split-K decode, paged_prefill.cu), and RMSNorm
-            (plain and fused with the residual add) from norm_rope.cu.
+    cuda    the CUDA C kernels (paged_decode.cu split-K decode, paged_prefill.cu), RMSNorm
+            (plain and fused with the residual add), q/k norm + rotary + KV-cache write in one
+            kernel (norm_rope.cu), SiLU-and-multiply (activation.cu). Given the engine's shape
+            (``DecodeShape``) its decode is graph-safe: the split-K partition count depends on
+            the batch size and max_model_len only, its partials live in a preallocated
+            workspace.
 
 ``select_kernels("auto", ...)`` takes ``cpu`` on the CPU when a C compiler is there (else
-``torch``) and ``torch`` on CUDA unless ``cuda`` is asked for (the CUDA kernels are not yet
-verified on a GPU). Nothing here reads the environment: the engine's config decides.
+``torch``) and ``cuda`` on CUDA: every kernel is compiled and loaded at once, then checked
+against its torch reference on a small random case; if CuPy is missing or anything fails, it
+logs why and takes ``torch``. Asked for by name, a backend that cannot run is an error. Nothing
+here reads the environment: the engine's config decides.
+
+``graph_safe``: the backend's decode reads sequence lengths and block tables from the device
+only, so a CUDA graph captured with the metadata's host-side fields at their bounds replays
+correctly for any batch (``engine_svc.worker.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -72,6 +82,10 @@ FusedAddRmsNorm = Callable[
 ]
 # [..., 2 * I] rows of [gate | up] -> silu(gate) * up, [..., I]; may be computed over the input.
 SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
+# (qkv, positions, cos, sin, q_weight, k_weight, eps, key_cache, value_cache, slot_mapping,
+#  num_heads, num_kv_heads) -> q [T, H, D]: q/k RMSNorm (weights None: none), neox rotary, K/V
+# written to the cache; q and k rotated in place in qkv (kernels.reference_norm_rope).
+QkNormRopeKv = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -80,10 +94,27 @@ class Kernels:
     rms_norm: RmsNorm
     fused_add_rms_norm: FusedAddRmsNorm = reference_norm_rope.fused_add_rms_norm
     silu_and_mul: SiluAndMul = reference.silu_and_mul
+    # One kernel for the attention's prologue; None: the model's composite of torch ops (it
+    # looks the rotary tables up once per forward, which the CPU paths prefer).
+    qk_norm_rope_kv: QkNormRopeKv | None = None
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What the CUDA decode needs to know at start to be graph-safe: the partition count of
+    every batch size and the workspace of the largest."""
+
+    num_heads: int
+    num_kv_heads: int
+    max_model_len: int
+    max_num_seqs: int
 
 
 class TorchAttention:
     name = "torch"
+    # Decode gathers up to meta.max_decode_seq_len: captured at the bound, a graph would gather
+    # max_model_len tokens for every row.
+    graph_safe = False
 
     def write_kv_cache(
         self,
@@ -109,6 +140,7 @@ class TorchAttention:
 
 class CpuAttention(TorchAttention):
     name = "cpu"
+    graph_safe = True  # the C decode reads lengths and block tables from the tensors
 
     def __init__(self, library: object) -> None:
         self._lib = library
@@ -141,8 +173,41 @@ class CpuAttention(TorchAttention):
         return out
 
 
+class _DecodePlan:
+    """Partition counts by batch size (from the context bound, never from a step's lengths)
+    and the split-K workspace, allocated once for the largest batch."""
+
+    def __init__(self, shape: DecodeShape, head_dim: int, device: torch.device) -> None:
+        from kernels import cuda_ops
+
+        self._shape = shape
+        self._num_sms = cuda_ops.num_sms(device)
+        self._partitions: dict[int, int] = {}
+        # Sized for the launch with the most (sequence, partition) pairs, laid out flat.
+        rows = max(b * self.partitions(b) for b in range(1, shape.max_num_seqs + 1))
+        self.workspace = cuda_ops.DecodeWorkspace(rows, shape.num_heads, head_dim, 1, device)
+
+    def partitions(self, num_seqs: int) -> int:
+        p = self._partitions.get(num_seqs)
+        if p is None:
+            from kernels import cuda_ops
+
+            s = self._shape
+            p = cuda_ops.decode_partitions(
+                num_seqs, s.num_heads, s.num_kv_heads, s.max_model_len, self._num_sms
+            )
+            self._partitions[num_seqs] = p
+        return p
+
+
 class CudaAttention:
     name = "cuda"
+
+    def __init__(self, plan: _DecodePlan | None = None) -> None:
+        """``plan`` None: partitions from each step's lengths, partials allocated per call
+        (tests); not graph-safe."""
+        self._plan = plan
+        self.graph_safe = plan is not None
 
     def write_kv_cache(
         self,
@@ -167,7 +232,18 @@ class CudaAttention:
     ) -> torch.Tensor:
         from kernels import cuda_ops
 
-        return cuda_ops.paged_attention(query, key_cache, value_cache, meta, scale)
+        plan = self._plan
+        if plan is None or not meta.num_decodes:
+            return cuda_ops.paged_attention(query, key_cache, value_cache, meta, scale)
+        return cuda_ops.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            partitions=plan.partitions(meta.num_decodes),
+            workspace=plan.workspace,
+        )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -184,19 +260,25 @@ def select_kernels(
     head_dim: int,
     block_size: int,
     cache_dir: Path,
+    shape: DecodeShape | None = None,
 ) -> Kernels:
     """The kernels for this engine. ``choice`` is one of :data:`BACKENDS`; a backend asked for
-    by name that cannot run here is a ValueError naming why (auto falls back instead)."""
+    by name that cannot run here is a ValueError naming why (auto falls back instead).
+    ``shape``: the engine's, which makes the cuda backend's decode graph-safe."""
     if choice not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     if choice == "auto":
-        choice = "torch" if device.type == "cuda" else "cpu"
-        if choice == "cpu":
+        if device.type == "cuda":
             try:
-                return _cpu(dtype, head_dim, block_size, cache_dir)
-            except (ValueError, RuntimeError) as e:
-                logger.warning("CPU attention kernel unavailable (%s): using torch", e)
-                choice = "torch"
+                return cuda_kernels(device, dtype, head_dim, block_size, shape)
+            except Exception as e:  # noqa: BLE001 -- no CuPy, a compile error, a wrong result
+                logger.warning("CUDA kernels unavailable (%s): using the torch references", e)
+                return Kernels(TorchAttention(), reference_norm_rope.rms_norm)
+        try:
+            return _cpu(dtype, head_dim, block_size, cache_dir)
+        except (ValueError, RuntimeError) as e:
+            logger.warning("CPU attention kernel unavailable (%s): using torch", e)
+            choice = "torch"
     if choice == "torch":
         return Kernels(TorchAttention(), reference_norm_rope.rms_norm)
     if choice == "cpu":
@@ -205,11 +287,34 @@ def select_kernels(
         return _cpu(dtype, head_dim, block_size, cache_dir)
     if device.type != "cuda":
         raise ValueError(f"the cuda attention backend needs a CUDA device, not {device}")
-    from kernels import cuda_ops
+    return cuda_kernels(device, dtype, head_dim, block_size, shape)
+
+
+def cuda_kernels(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    shape: DecodeShape | None,
+) -> Kernels:
+    """The cuda backend: head size checked, every kernel compiled and loaded now (nothing may
+    compile during a CUDA graph capture), then each checked against its torch reference
+    (``kernels.self_check``); raises whatever fails."""
+    from kernels import cuda_ops, self_check
 
     for prefill in (False, True):  # a head size the kernels are not built for fails now
         cuda_ops.check_head_dim(head_dim, dtype, prefill)
-    return Kernels(CudaAttention(), cuda_ops.rms_norm, cuda_ops.fused_add_rms_norm)
+    cuda_ops.preload(dtype, head_dim)
+    plan = None if shape is None else _DecodePlan(shape, head_dim, device)
+    kernels = Kernels(
+        CudaAttention(plan),
+        cuda_ops.rms_norm,
+        cuda_ops.fused_add_rms_norm,
+        cuda_ops.silu_and_mul,
+        cuda_ops.qk_norm_rope_kv,
+    )
+    self_check.check(kernels, device, dtype, head_dim, block_size)
+    return kernels
 
 
 def _cpu(dtype: torch.dtype, head_dim: int, block_size: int, cache_dir: Path) -> Kernels:

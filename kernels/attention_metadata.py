@@ -16,7 +16,8 @@ class AttentionMetadata:
         tokens:           [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]
         query_start_loc:  [0, 1, 2, 3, 7, 9]
         seq_lens:         context length of each request *including* this step's tokens
-        block_tables:     [num_reqs, max_blocks] block ids (rows padded with 0)
+        block_tables:     [num_reqs, max_blocks] block ids; entries past a request's own blocks
+                          are stale (valid ids, never read: they lie past its context)
         slot_mapping:     [num_tokens] cache slot each new K/V is written to
     """
 
@@ -24,7 +25,7 @@ class AttentionMetadata:
     num_decodes: int
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64, on device
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64/int32, on device
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32 (int64 in some tests), on device
     seq_lens: torch.Tensor  # [num_reqs] on device
     query_start_loc: torch.Tensor  # [num_reqs + 1] on device
     seq_lens_cpu: list[int]

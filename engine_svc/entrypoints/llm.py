@@ -23,6 +23,7 @@ from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from engine_svc.core.scheduler import SchedulerConfig
 from engine_svc.entrypoints.llm_pooling import PoolingMixin
+from engine_svc.gc_heap import freeze_startup_heap
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
 
@@ -64,6 +65,12 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def _graph_sizes(sizes: int | Sequence[int] | None) -> tuple[int, ...] | None:
+    if sizes is None:
+        return None
+    return (sizes,) if isinstance(sizes, int) else tuple(sizes)
+
+
 class LLM(PoolingMixin):
     """Runs the engine in this process and generates (or embeds, classifies, scores) for a
     batch of prompts."""
@@ -87,6 +94,8 @@ class LLM(PoolingMixin):
         device: str = "auto",
         attention_backend: str = "auto",
         pad_decode_batches: bool | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: int | Sequence[int] | None = None,
         seed: int = 0,
         served_model_name: str | None = None,
         pooling_type: str | None = None,
@@ -128,6 +137,8 @@ class LLM(PoolingMixin):
             device=device,
             attention_backend=attention_backend,
             pad_decode_batches=pad_decode_batches,
+            enforce_eager=enforce_eager,
+            cuda_graph_sizes=_graph_sizes(cuda_graph_sizes),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             profile_dir=str(profile_dir) if profile_dir is not None else envs.profile_dir(),
         )
@@ -135,6 +146,10 @@ class LLM(PoolingMixin):
         self._lora_requests: dict[int, LoRARequest] = {}  # lora_int_id -> the first request
         self.tokenizer = load_tokenizer(self.model_dir)
         self._ids = itertools.count()
+        # As the server does: what start-up built stays out of the collector's way, so no full
+        # collection pauses generation (gc_heap). An LLM dropped later is still freed (by
+        # reference counts: it holds no cycles).
+        freeze_startup_heap()
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer

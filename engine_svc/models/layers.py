@@ -159,3 +159,10 @@ class PagedAttention(nn.Module):
         key_cache, value_cache = kv_cache
         self.backend.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return self.backend.forward(q, key_cache, value_cache, meta, self.scale, (k, v))
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention only: this step's K/V are already in the cache (a fused prologue wrote
+        them)."""
+        return self.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)

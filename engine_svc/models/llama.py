@@ -43,6 +43,15 @@ CosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.lookup: once per f
 
 
 @dataclass(frozen=True)
+class RopeInputs:
+    """What each layer's rotary embedding needs: the positions, and cos/sin looked up at them
+    once per forward (None when the fused kernel reads the tables itself)."""
+
+    positions: torch.Tensor
+    cos_sin: CosSin | None
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     """The architecture facts the model needs, read once from config.json."""
 
@@ -116,12 +125,14 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, kernels.attention
         )
+        # q/k norm, rotary and the KV-cache write in one kernel (CUDA); None: torch ops.
+        self._fused_prologue = kernels.qk_norm_rope_kv
         self.qkv_lora: LoRALinearStack | None = None  # set by attach_lora
         self.o_lora: LoRALinearStack | None = None
 
     def forward(
         self,
-        rope: CosSin,
+        rope: RopeInputs,
         x: torch.Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
@@ -131,18 +142,44 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if lora is not None and self.qkv_lora is not None:
             self.qkv_lora.apply(qkv, x, lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary.rotate(q, k, rope)
-        out = self.attn(q, k, v, kv, meta).reshape(t, self.q_size)
+        if rope.cos_sin is None:
+            out = self._fused(qkv, rope.positions, kv, meta)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+            q, k = self.rotary.rotate(q, k, rope.cos_sin)
+            out = self.attn(q, k, v, kv, meta)
+        out = out.reshape(t, self.q_size)
         y = self.o_proj(out)
         if lora is not None and self.o_lora is not None:
             self.o_lora.apply(y, out, lora)
         return y
+
+    def _fused(
+        self, qkv: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The prologue in one kernel (q/k norm, rotary, K/V into the cache), then attention."""
+        assert self._fused_prologue is not None
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q = self._fused_prologue(
+            qkv,
+            positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 0.0,
+            kv[0],
+            kv[1],
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )
+        return self.attn.attend(q, kv, meta)
 
 
 class MLP(nn.Module):
@@ -179,7 +216,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: CosSin,
+        rope: RopeInputs,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv: KVCache,
@@ -219,6 +256,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         kernels = kernels or Kernels(TorchAttention(), reference_norm_rope.rms_norm)
         self.spec = spec
+        self._fused_prologue = kernels.qk_norm_rope_kv is not None
         # Weights are uninitialised until load_weights (the loader builds this on the meta device):
         # an explicit empty weight skips nn.Embedding's normal_ init, whose first call on the meta
         # device imports torch._dynamo and sympy (~1.2 s, ~70 MB).
@@ -253,7 +291,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, one row per scheduled token. ``lora``: which
         adapter slot each token uses (None: no token uses one)."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.lookup(positions, x.dtype)
+        cos_sin = None if self._fused_prologue else self.rotary_emb.lookup(positions, x.dtype)
+        rope = RopeInputs(positions, cos_sin)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv, meta, lora)

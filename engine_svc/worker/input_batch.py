@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine_svc.core.request import Request
+from engine_svc.worker.uploads import upload
 
 
 class InputBatch:
@@ -194,8 +195,8 @@ class InputBatch:
         penalized = self.has_penalty[r]
         if penalized.any():
             assert self.output_counts is not None and self.seen_mask is not None
-            which = torch.from_numpy(np.flatnonzero(penalized)).to(self.device)
-            prow = torch.from_numpy(r[penalized]).to(self.device)
+            which = upload(np.flatnonzero(penalized), self.device)
+            prow = upload(r[penalized], self.device)
             tok = tokens_dev.index_select(0, which).to(torch.int64)
             self.output_counts.index_put_(
                 (prow, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True
@@ -209,7 +210,7 @@ class InputBatch:
             self.allowed_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
         mask = self.allowed_mask[row]
         mask.zero_()
-        mask[torch.tensor(token_ids, dtype=torch.int64, device=self.device)] = True
+        mask[upload(np.asarray(token_ids, dtype=np.int64), self.device)] = True
 
     # ------------------------------------------------------------------ penalties
     def _init_penalties(self, row: int, request: Request) -> None:
@@ -221,6 +222,6 @@ class InputBatch:
         counts, seen = self.output_counts[row], self.seen_mask[row]
         counts.zero_()
         seen.zero_()
-        out = torch.tensor(request.output_token_ids, dtype=torch.int64, device=self.device)
+        out = upload(np.asarray(request.output_token_ids, dtype=np.int64), self.device)
         counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        seen[torch.tensor(request.all_token_ids, dtype=torch.int64, device=self.device)] = True
+        seen[upload(np.asarray(request.all_token_ids, dtype=np.int64), self.device)] = True

@@ -1,10 +1,16 @@
 """The model runner: turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
 
 Per step it updates its persistent batch (``input_batch``: one row per running request), builds
-the flattened inputs from it (``step_inputs``: decodes first, then multi-token chunks; decode
-steps optionally padded to size buckets in static buffers), runs the model, computes logits only
-for rows that sample (and for prompt-logprob rows), masks the rows that have a structured-output
-grammar (``structured_output.bitmask``), and samples (``sampling_inputs``, ``sampler``).
+the flattened inputs from it into static buffers (``step_inputs``: decodes first, then
+multi-token chunks; decode-only steps padded to the CUDA graph sizes), runs the model (a decode-
+only step by replaying its size's CUDA graph, ``cuda_graphs``), computes logits only for rows
+that sample (and for prompt-logprob rows), masks the rows that have a structured-output grammar
+(``structured_output.bitmask``), and samples (``sampling_inputs``, ``sampler``).
+
+Host and device: every host array goes to the device by a non-blocking copy from pinned memory
+(``step_inputs.StepBuffers``, ``uploads``); the one time a step waits for the GPU is when it
+reads the sampled token ids. Features that need more say so where they do it (logprobs,
+prompt logprobs, grammars, LoRA).
 Pooling rows never sample: ``pooler`` turns their hidden states into embeddings or label scores
 in the step that computes their last prompt token. With LoRA adapters (``lora``), the step's
 adapters are put in device slots before the forward and its tokens grouped by slot
@@ -36,14 +42,18 @@ from engine_svc.models.loader import (
 )
 from engine_svc.native_memory import trim_heap
 from engine_svc.structured_output.bitmask import GrammarBitmask
+from engine_svc.worker import cuda_graphs
+from engine_svc.worker.cuda_graphs import DecodeGraphs
 from engine_svc.worker.device import resolve_device, resolve_dtype
 from engine_svc.worker.input_batch import InputBatch
 from engine_svc.worker.pooler import Pooler
 from engine_svc.worker.sampler import gather_logprobs, sample
 from engine_svc.worker.sampling_inputs import sampling_metadata
 from engine_svc.worker.sleep_mode import SleepingWeights, check_sleep_level, put_to_sleep
-from engine_svc.worker.step_inputs import StepBuffers, build_step, decode_buckets
-from kernels.attention_backends import Kernels, select_kernels
+from engine_svc.worker.step_inputs import StepBuffers, StepInputs, build_step, graph_sizes
+from engine_svc.worker.uploads import upload
+from kernels.attention_backends import DecodeShape, Kernels, select_kernels
+from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,11 @@ class ModelRunner:
             config.model.dtype, self.device, checkpoint_dtype(config.model.model)
         )
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)  # the kernels launch on the current device
         torch.manual_seed(config.model.seed)
         self.kernels = self._select_kernels()
         self.model = load_model(
@@ -91,11 +106,11 @@ class ModelRunner:
             sched.max_num_seqs, max_model_len, max_blocks, self.spec.vocab_size, self.device
         )
         self.grammar_bitmask = GrammarBitmask(sched.max_num_seqs, self.spec.vocab_size, self.device)
-        # Decode steps padded to size buckets with static buffers: what CUDA graphs replay.
+        # Decode steps padded to the CUDA graph sizes in static buffers: what the graphs replay.
         # On by default on CUDA; on the CPU padding only costs, so it is off (tests turn it on).
         pad = config.pad_decode_batches
         self.pad_decodes = self.device.type == "cuda" if pad is None else pad
-        self.buckets = decode_buckets(sched.max_num_seqs)
+        self.buckets = graph_sizes(sched.max_num_seqs, config.cuda_graph_sizes)
         self.buffers = StepBuffers(
             max(sched.max_num_batched_tokens, sched.max_num_seqs),
             sched.max_num_seqs,
@@ -109,6 +124,7 @@ class ModelRunner:
             self.layout.num_blocks,
             self.block_size,
         )
+        self.graphs: DecodeGraphs | None = self._capture_graphs()
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (key, value) pair of zeroed ``[num_blocks, block_size, kv_heads, head_dim]``
@@ -144,6 +160,7 @@ class ModelRunner:
         check_sleep_level(level)
         if self._asleep is not None:
             return
+        self.graphs = None  # they point at the KV cache and the weights: captured again on wake
         self.kv_caches = []  # the only references: the storage goes now
         extra = [] if self.lora is None else self.lora.weights.tensors()
         try:
@@ -168,19 +185,83 @@ class ModelRunner:
         logger.info(
             "awake: weights on %s, KV cache of %d blocks", self.device, self.layout.num_blocks
         )
+        self.graphs = self._capture_graphs()
 
     def _select_kernels(self) -> Kernels:
         """The attention backend (and norm) for this engine, chosen once here."""
-        choice = self.config.attention_backend
-        if choice == "auto" and self.device.type == "cuda" and envs.cuda_kernels_enabled():
-            choice = "cuda"
         hf = read_hf_config(self.config.model.model)
-        head_dim = DecoderSpec.from_hf_config(hf, architecture_of(hf)).head_dim
+        spec = DecoderSpec.from_hf_config(hf, architecture_of(hf))
+        shape = DecodeShape(
+            spec.num_heads,
+            spec.num_kv_heads,
+            self.max_model_len,
+            self.config.scheduler.max_num_seqs,
+        )
         kernels = select_kernels(
-            choice, self.device, self.dtype, head_dim, self.block_size, envs.cache_dir() / "kernels"
+            self.config.attention_backend,
+            self.device,
+            self.dtype,
+            spec.head_dim,
+            self.block_size,
+            envs.cache_dir() / "kernels",
+            shape,
         )
         logger.info("attention backend: %s", kernels.attention.name)
         return kernels
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode forward for every padded batch size, checked against the
+        eager forward; None (serving eagerly, and saying why) when they are off or fail."""
+        if self.config.enforce_eager or not self.pad_decodes:
+            return None
+        capture = cuda_graphs.capture_backend(self.device)
+        if capture is None:
+            return None
+        if not getattr(self.kernels.attention, "graph_safe", False):
+            logger.warning(
+                "CUDA graphs off: the %s attention backend cannot be captured; serving eagerly",
+                self.kernels.attention.name,
+            )
+            return None
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(ids, pos, self.kv_caches, meta, None)
+
+        try:
+            with torch.inference_mode():
+                graphs = cuda_graphs.capture_decode_graphs(
+                    self.buckets,
+                    forward,
+                    self.buffers,
+                    capture,
+                    self.max_model_len,
+                    self.block_size,
+                )
+                checks = [self.buckets[-1]]
+                checks += [b for b in self.buckets if 1 < b < self.buckets[-1]][:1]
+                errors = [
+                    cuda_graphs.check_against_eager(
+                        graphs,
+                        forward,
+                        self.buffers,
+                        self.kv_caches,
+                        size,
+                        self.max_model_len,
+                        self.spec.vocab_size,
+                    )
+                    for size in checks
+                ]
+        except Exception as e:  # noqa: BLE001 -- a capture error or a mismatch: serve eagerly
+            logger.warning("CUDA graphs off (%s: %s); serving eagerly", type(e).__name__, e)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        logger.info(
+            "CUDA graphs checked against the eager forward at %s rows: %s",
+            ", ".join(map(str, checks)),
+            ", ".join("identical" if err == 0 else f"within {err:.2g}" for err in errors),
+        )
+        return graphs
 
     def _kv_layout(self) -> KVCacheLayout:
         cache = self.config.cache
@@ -227,7 +308,8 @@ class ModelRunner:
             self.buckets if self.pad_decodes else None,
         )
         lora = self._lora_mapping(step.token_lora)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, lora)
+        pooling = self.input_batch.is_pooling[step.rows]
+        hidden = self._forward(step, lora, bool(pooling.any()))
 
         out = ModelRunnerOutput()
         reaching_end = np.fromiter(
@@ -238,15 +320,18 @@ class ModelRunner:
             bool,
             len(step.batch),
         )
-        pooling = self.input_batch.is_pooling[step.rows]
         if pooling.any():
             out.pooled = self.pooler.pool(step, hidden, np.flatnonzero(pooling))
         sampling = np.flatnonzero(reaching_end & ~pooling)
         if sampling.size:
             reqs = [step.batch[i].request for i in sampling]
             rows = step.rows[sampling]
-            index = torch.from_numpy(step.last_index[sampling]).to(self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
+            last = step.last_index[sampling]
+            if last[-1] == sampling.size - 1:  # rows 0..n-1 (a decode step): no gather
+                selected = hidden[: sampling.size]
+            else:
+                selected = hidden.index_select(0, upload(last, self.device))
+            logits = self.model.compute_logits(selected)
             constrained = np.flatnonzero(self.input_batch.has_grammar[rows])
             if constrained.size:  # forbidden tokens -> -inf, before any sampling parameter
                 grammars = [g for i in constrained if (g := reqs[i].grammar) is not None]
@@ -263,6 +348,20 @@ class ModelRunner:
             if s.request.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(s, hidden, int(step.last_index[i]), out)
         return out
+
+    def _forward(self, step: StepInputs, lora: LoRAMapping | None, pooling: bool) -> torch.Tensor:
+        """Hidden states of the step's tokens: a decode-only step of a captured size without
+        LoRA or pooling rows replays its CUDA graph, any other runs the model eagerly."""
+        graphs, meta = self.graphs, step.meta
+        if (
+            graphs is not None
+            and step.decode_only
+            and lora is None
+            and not pooling
+            and meta.num_reqs in graphs
+        ):
+            return graphs.replay(meta.num_reqs)
+        return self.model(step.input_ids, step.positions, self.kv_caches, meta, lora)
 
     def _lora_mapping(self, token_lora: np.ndarray | None) -> LoRAMapping | None:
         """Put the step's adapters on the device (moving least recently used ones out) and
@@ -328,8 +427,8 @@ class ModelRunner:
             first_row = last - s.num_tokens + 1 + (first_pos - start)
             logits = self.model.compute_logits(hidden[first_row : first_row + count]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
-            targets = torch.tensor(
-                req.prompt_token_ids[first_pos + 1 : first_pos + 1 + count], device=self.device
+            targets = upload(
+                req.prompt_token_ids[first_pos + 1 : first_pos + 1 + count], self.device
             )
             n = req.sampling_params.prompt_logprobs or 0
             chosen, ranks, top_ids, top_lp = gather_logprobs(logprobs, targets, n)

@@ -30,6 +30,7 @@ from engine_svc.core.pooling_params import PoolingParams, PoolingTask, PoolingTy
 from engine_svc.core.request import Request
 from engine_svc.models.llama import LlamaForCausalLM
 from engine_svc.worker.step_inputs import StepInputs
+from engine_svc.worker.uploads import upload
 
 PooledResults = dict[str, npt.NDArray[np.float32]]
 
@@ -162,4 +163,4 @@ def _params(request: Request) -> PoolingParams:
 
 
 def _index(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
+    return upload(np.asarray(values, dtype=np.int64), device)

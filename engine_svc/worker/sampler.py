@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_svc.worker.uploads import upload
+
 _NEG_INF = float("-inf")
 
 
@@ -59,7 +61,7 @@ class LogitBias:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    temperature: torch.Tensor | None  # [B] float32, 0 for greedy rows; None when all_greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] int64, vocab size (or more) where disabled
     top_p: torch.Tensor | None  # [B] float32, 1 where disabled
@@ -159,9 +161,9 @@ def _adjusted(
     if md.banned:
         ban_rows = [row for row, ids in md.banned for _ in ids]
         ban_ids = [t for _, ids in md.banned for t in ids]
-        at = torch.searchsorted(rows, torch.tensor(ban_rows, device=x.device))
-        ninf = torch.tensor(_NEG_INF, device=x.device)
-        x.index_put_((at, torch.tensor(ban_ids, device=x.device)), ninf)
+        at = torch.searchsorted(rows, upload(ban_rows, x.device))
+        ninf = torch.tensor(_NEG_INF, device=x.device)  # a scalar: no copy
+        x.index_put_((at, upload(ban_ids, x.device)), ninf)
     return rows, x
 
 
@@ -195,6 +197,7 @@ def _processed(
 
 
 def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    assert md.temperature is not None, "a batch with random rows has temperatures"
     is_greedy = md.temperature < 1e-5
     temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
     logits = _processed(logits, md, temperature)

@@ -1,10 +1,11 @@
 """A step's ``SamplingMetadata``, read from the persistent batch's per-row arrays.
 
-Nothing here walks the whole vocabulary or the requests' token lists: parameters are gathered
-by row from numpy arrays, penalties come from the batch's device-side counts (kept up to date as
-tokens are sampled), allowed token ids from the batch's device-side masks, and only the rows
-that need something special (a seed, min_tokens still to reach, a logit bias, bad words,
-logprobs) are visited one by one.
+Nothing here walks the whole vocabulary or the requests' token lists, and nothing makes the host
+wait for the device: parameters are gathered by row from numpy arrays and uploaded without a
+sync (``uploads``; an all-greedy batch needs none of them), penalties come from the batch's
+device-side counts (kept up to date as tokens are sampled), allowed token ids from the batch's
+device-side masks, and only the rows that need something special (a seed, min_tokens still to
+reach, a logit bias, bad words, logprobs) are visited one by one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import GREEDY_EPS
 from engine_svc.worker.input_batch import InputBatch
 from engine_svc.worker.sampler import AllowedTokens, LogitBias, Penalties, SamplingMetadata
+from engine_svc.worker.uploads import upload
 
 
 def sampling_metadata(
@@ -30,12 +32,12 @@ def sampling_metadata(
     dev = batch.device
 
     def tensor(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values)).to(dev)
+        return upload(values, dev)
 
     temperature = batch.temperature[rows]
     all_greedy = bool((temperature < GREEDY_EPS).all())
     md = SamplingMetadata(
-        temperature=tensor(temperature),
+        temperature=None if all_greedy else tensor(temperature),
         all_greedy=all_greedy,
         top_k=None,
         top_p=None,

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_svc import envs
 from engine_svc.models.layers import RMSNorm, RotaryEmbedding
 from kernels import cuda, cuda_ops, variants
 from kernels import reference_norm_rope as ref
@@ -43,11 +42,7 @@ def test_rotary_reference_equals_the_layer(dtype: torch.dtype) -> None:
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
-def test_cuda_kernels_are_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TANDEM_CUDA_KERNELS", raising=False)
-    assert not envs.cuda_kernels_enabled()
-    monkeypatch.setenv("TANDEM_CUDA_KERNELS", "1")
-    assert envs.cuda_kernels_enabled()
+def test_the_cuda_backend_is_refused_on_the_cpu() -> None:
     # The choice is made once, from config: on the CPU the CUDA backend is refused by name.
     with pytest.raises(ValueError, match="CUDA device"):
         select_kernels("cuda", torch.device("cpu"), torch.float32, 64, 16, Path("/nonexistent"))
@@ -68,7 +63,7 @@ def test_cpu_path_never_imports_cupy() -> None:
         "assert 'cupy' not in sys.modules, 'cupy imported'\n"
     )
     root = Path(__file__).resolve().parents[2]
-    env = {"TANDEM_CUDA_KERNELS": "1", "PATH": "", "PYTHONPATH": str(root)}
+    env = {"PATH": "", "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
 
 
