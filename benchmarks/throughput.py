@@ -14,6 +14,12 @@ warm-up runs on other prompts and is not timed.
 Prints one table per request count (elapsed, output tok/s, model FLOP/s as a fraction of torch's
 GEMM FLOP/s on the model's shapes, Tandem's ratio to each peer; see benchmarks/flops.py for the
 counting) and writes JSON with date, machine, command and arguments to --out.
+
+With ``--timeline FILE`` each timed Tandem run also records one row per engine step (wall time;
+schedule / execute / update; rows, decode rows, prefill tokens, context) and writes them to FILE
+with a summary (decode step time by batch band, prefill steps, GC time) and the same provenance
+as --out; see benchmarks/step_timeline.py. Its counting costs a few microseconds per step, inside
+the timed run. ``--enforce-eager`` runs Tandem without CUDA graphs (no effect on the CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import GemmRates, measure_gemm_rates, median_rates, run_flops  # noqa: E402
 from hf_peers import Request, blocks_to_hold, run_continuous, run_static  # noqa: E402
 from provenance import provenance  # noqa: E402
+from step_timeline import StepTimeline, print_summary  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     # ~25M parameters: fits a 2-core CPU run in minutes.
@@ -141,7 +148,10 @@ def run_tandem(
     warm: list[Request],
     args: argparse.Namespace,
     max_num_seqs: int,
+    timelines: list[dict[str, Any]],
 ) -> dict[str, float]:
+    """Tandem's LLM on ``reqs`` after a warm-up on ``warm``; with --timeline the timed run's
+    steps are appended to ``timelines``."""
     from engine_svc import LLM, SamplingParams
 
     llm = LLM(
@@ -157,6 +167,7 @@ def run_tandem(
             else blocks_to_hold(reqs + warm, args.block_size) + 2 * max_num_seqs
         ),
         block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
     )
 
     def generate(batch: list[Request], use_tqdm: bool) -> int:
@@ -166,16 +177,43 @@ def run_tandem(
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     generate(warm, use_tqdm=False)
+    timeline = StepTimeline(llm.engine) if args.timeline else None
     _sync(args.device)
     start = time.perf_counter()
-    out_tokens = generate(reqs, use_tqdm=args.progress)
+    if timeline is None:
+        out_tokens = generate(reqs, use_tqdm=args.progress)
+    else:
+        with timeline:
+            out_tokens = generate(reqs, use_tqdm=args.progress)
     _sync(args.device)
     elapsed = time.perf_counter() - start
     assert out_tokens == sum(o for _, o in reqs), "ignore_eos requests must produce max_tokens"
+    if timeline is not None:
+        summary = timeline.summary(max_num_seqs)
+        print_summary(summary)
+        timelines.append(
+            {
+                "num_requests": len(reqs),
+                "max_num_seqs": max_num_seqs,
+                "attention_backend": llm.engine.runner.kernels.attention.name,
+                # the runner's CUDA graphs; None (or no attribute) when it runs eagerly
+                "graphs_in_use": getattr(llm.engine.runner, "graphs", None) is not None,
+                "elapsed_s": elapsed,
+                "output_tokens": out_tokens,
+                "summary": summary,
+                "rows": timeline.rows,
+            }
+        )
     return _result(elapsed, out_tokens)
 
 
-def run_count(n: int, model_dir: Path, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_count(
+    n: int,
+    model_dir: Path,
+    vocab: int,
+    args: argparse.Namespace,
+    timelines: list[dict[str, Any]],
+) -> dict[str, Any]:
     """Every system on the same ``n`` requests, with torch's GEMM rates measured before the
     first and after each (the machine's speed drifts: the median is used)."""
     cfg = SHAPES[args.shape]
@@ -206,7 +244,7 @@ def run_count(n: int, model_dir: Path, vocab: int, args: argparse.Namespace) -> 
     for _ in range(args.rounds):
         rounds.append({})
         if "tandem" in args.systems:
-            record("tandem LLM", run_tandem(model_dir, reqs, warm, args, max_num_seqs))
+            record("tandem LLM", run_tandem(model_dir, reqs, warm, args, max_num_seqs, timelines))
         if "hf-static" in args.systems:
             for b in args.hf_batch_size:
                 elapsed = run_static(
@@ -343,33 +381,56 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run the systems this many times in turn")
     ap.add_argument("--progress", action="store_true", help="Tandem's progress bar")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    ap.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="record each timed Tandem run step by step; write the rows and a summary here",
+    )
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="Tandem without CUDA graphs (GPU runs)"
+    )
     args = ap.parse_args()
     if args.skip_hf:
         args.systems = ["tandem"]
 
     runs = []
+    timelines: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.shape, Path(tmp) / args.shape, torch.float32)
         vocab = SHAPES[args.shape]["vocab_size"]
         for n in args.num_requests:
-            runs.append(run_count(n, model_dir, vocab, args))
+            runs.append(run_count(n, model_dir, vocab, args, timelines))
     for run in runs:
         print_table(run, args)
     if args.device == "cuda":
         print(f"peak CUDA memory GiB: {torch.cuda.max_memory_allocated() / 2**30:.2f}")
+    head = header(args)  # one provenance for both files
     if args.out:
-        import transformers
+        write_json(args.out, {**head, "runs": runs})
+    if args.timeline:
+        write_json(args.timeline, {**head, "timelines": timelines})
 
-        record = {
-            **provenance(),
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "threads": torch.get_num_threads(),
-            "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-            "runs": runs,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2, default=str))
-        print(f"wrote {args.out}")
+
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """What every JSON this script writes starts with: provenance, versions, arguments."""
+    import transformers
+
+    cuda = args.device == "cuda"
+    return {
+        **provenance(),
+        **({"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if cuda else {}),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "threads": torch.get_num_threads(),
+        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+    }
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
 # One call of the device tool's GPU machine, all phases in one command (a loan is rare and short):
 #
-#   run(command="bash scripts/gpu_session.sh tests kernels", carry=[".whl"])
+#   run(command="bash scripts/gpu_session.sh tests kernels anatomy throughput", carry=[".whl"],
+#       timeout_s=540)                                                  (~7 min on an H200)
+#   run(command="bash scripts/gpu_session.sh peers", carry=[".whl"])   (~5 min: the same-run
+#       ratio to transformers' static batching, which alone takes ~200 s)
 #   run(command="bash scripts/gpu_session.sh relay", carry=[".whl"])   (its own call: ~6 min)
 #
-# Phases (any order, each bounded by its own timeout; logs and JSON land in $OUT, at most 8
-# files come back):
+# Phases (any order, each bounded by its own timeout so one failure loses nothing else; logs and
+# JSON land in $OUT):
 #   env        nvidia-smi, torch/cupy versions (always run first)
-#   tests      pytest tests/gpu (kernels against their torch references, the engine's greedy
-#              parity on CUDA) -> $OUT/gpu_tests.log
+#   tests      pytest tests/gpu: kernels against their torch references (fused ones with
+#              NaN-poisoned outputs), CUDA graph replay == eager bit for bit, greedy tokens with
+#              graphs on == off, one host sync per decode step, engine parity
+#              -> $OUT/gpu_tests.log
 #   kernels    benchmarks/kernels_decode.py -> $OUT/kernels_decode.json
-#   throughput benchmarks/throughput.py --device cuda on the llama-h512 shape -> $OUT/throughput_cuda.json
+#   anatomy    benchmarks/step_anatomy.py --device cuda: decode step ms, host CUDA calls and
+#              syncs per step, batch 1/32/128/256 x context 512/1024/2048, graphs on and off
+#              -> $OUT/step_anatomy_cuda.json
+#   throughput the 256-request Qwen3-0.6B workload (in/out uniform 100-1024), Tandem with graphs,
+#              then eager, with a per-step timeline -> $OUT/throughput_cuda.json,
+#              $OUT/timeline_graphs.json, $OUT/throughput_cuda_eager.json
+#   peers      the same workload, Tandem and transformers' static batching (batch 256) in one run
+#              -> $OUT/throughput_peers.json
 #   relay      benchmarks/gateway_relay.py (16 cores: the gateway-relay issue's targets) ->
-#              $OUT/gateway_relay_h200.json; ~6 minutes (three paced pairs since 2026-11-23):
-#              give it a call of its own, run(command="bash scripts/gpu_session.sh relay")
+#              $OUT/gateway_relay_h200.json; ~6 minutes: give it a call of its own
 # Needs the wheels of scripts/gpu_wheels.sh in .whl (carried). Python there is 3.12 with torch,
 # cupy, transformers, numpy, uvloop preinstalled.
+#
+# DRY_RUN=1 runs every phase on the CPU with tiny settings (a check of this script and of the
+# benchmarks' command lines before a loan is spent): OUT=/tmp/dry DRY_RUN=1 bash
+# scripts/gpu_session.sh tests kernels anatomy throughput peers
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"
 mkdir -p "$OUT"
@@ -36,26 +51,53 @@ fi
   git log --oneline -1 2>/dev/null || true
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+# The throughput workload peers publish (Qwen3-0.6B shape, random bf16 weights).
+WORKLOAD=(--shape qwen3-0.6b --num-requests 256 --input-len 100 1024 --output-len 100 1024
+  --max-num-batched-tokens 8192 --device cuda --dtype bfloat16)
+ANATOMY=(--device cuda --dtype bfloat16 --shape qwen3-0.6b --graphs both)
+HF_BATCH=256
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  WORKLOAD=(--shape llama-h512 --num-requests 8 --input-len 16 32 --output-len 8 16
+    --device cpu --dtype float32)
+  ANATOMY=(--device cpu --shape llama-h512 --batches 1 4 --contexts 64 --steps 2 --graphs off)
+  HF_BATCH=8
+fi
+# The tail of a phase's output without the exit-time noise of triton's bindings (nanobind leak
+# lists, from transformers importing torch._dynamo).
+quiet() { grep -v -e '^nanobind' -e '^ - ' -e 'refleaks.html' | tail -"$1"; }
 for phase in "$@"; do
   echo "=== $phase $(date -u +%T)"
   case "$phase" in
     env) ;;
     tests)
-      timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 |
-        tee "$OUT/gpu_tests.log" | tail -30
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu 2>&1 |
+        tee "$OUT/gpu_tests.log" | quiet 40
       ;;
     kernels)
-      timeout 240 python3 benchmarks/kernels_decode.py --out "$OUT/kernels_decode.json" 2>&1 |
-        tail -40
+      if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        python3 benchmarks/kernels_decode.py --help >/dev/null && echo "kernels_decode.py parses"
+      else
+        timeout 120 python3 benchmarks/kernels_decode.py --dtype bfloat16 \
+          --out "$OUT/kernels_decode.json" 2>&1 | quiet 30
+      fi
+      ;;
+    anatomy)
+      timeout 200 python3 benchmarks/step_anatomy.py "${ANATOMY[@]}" \
+        --out "$OUT/step_anatomy_cuda.json" 2>&1 | quiet 40
       ;;
     throughput)
-      timeout 400 python3 benchmarks/throughput.py --device cuda --dtype bfloat16 \
-        --shape llama-h512 --num-requests 256 --input-len 16 256 --output-len 16 128 \
-        --systems tandem hf-cb --out "$OUT/throughput_cuda.json" 2>&1 | tail -40
+      timeout 150 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem \
+        --timeline "$OUT/timeline_graphs.json" --out "$OUT/throughput_cuda.json" 2>&1 | quiet 25
+      timeout 120 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem \
+        --enforce-eager --out "$OUT/throughput_cuda_eager.json" 2>&1 | quiet 25
+      ;;
+    peers)
+      timeout 420 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem hf-static \
+        --hf-batch-size "$HF_BATCH" --out "$OUT/throughput_peers.json" 2>&1 | quiet 30
       ;;
     relay)
       timeout 540 python3 benchmarks/gateway_relay.py --out "$OUT/gateway_relay_h200.json" \
-        --note "H200 machine, 16 cores" 2>&1 | tail -40
+        --note "H200 machine, 16 cores" 2>&1 | quiet 40
       ;;
     *) echo "unknown phase $phase" ;;
   esac
