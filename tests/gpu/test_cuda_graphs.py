@@ -164,7 +164,8 @@ def test_a_decode_step_syncs_once_and_makes_few_cuda_calls(
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    # The runtime API calls are recorded with CUDA activity (CUPTI's callbacks).
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.engine.step()
     counts = Counter(e.name for e in prof.events())
