@@ -313,7 +313,8 @@ def cuda_kernels(
         cuda_ops.silu_and_mul,
         cuda_ops.qk_norm_rope_kv,
     )
-    self_check.check(kernels, device, dtype, head_dim, block_size)
+    heads = (4, 2) if shape is None else (shape.num_heads, shape.num_kv_heads)
+    self_check.check(kernels, device, dtype, head_dim, block_size, heads)
     return kernels
 
 

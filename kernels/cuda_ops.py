@@ -166,8 +166,9 @@ def num_sms(device: torch.device) -> int:
 
 MIN_PARTITION = 128  # equals MIN_PARTITION in paged_decode.cu (they must match)
 PARTITION_ALIGN = 16  # equals PARTITION_ALIGN in paged_decode.cu (they must match)
-# The reduce kernel holds one float per partition in dynamic shared memory (48 KiB by default).
-MAX_PARTITIONS = 48 * 1024 // 4
+# The reduce kernel holds one float per partition in dynamic shared memory, beside its 132
+# bytes of static scratch, within the 48 KiB a block gets by default.
+MAX_PARTITIONS = (48 * 1024 - 256) // 4
 
 
 def decode_partition_len(seq_len: int, partitions: int) -> int:

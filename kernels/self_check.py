@@ -22,7 +22,6 @@ _TOLERANCE = {
     torch.float16: (1e-2, 2e-3),
     torch.bfloat16: (1.6e-2, 1e-2),
 }
-_HEADS, _KV_HEADS = 4, 2
 _Q_LENS, _SEQ_LENS = (1, 6), (700, 40)  # a decode over 700 tokens, a 6-token chunk after 34
 
 
@@ -31,15 +30,23 @@ class KernelCheckFailed(RuntimeError):
 
 
 def check(
-    kernels: Kernels, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
+    kernels: Kernels,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    heads: tuple[int, int] = (4, 2),
 ) -> None:
-    """Raise KernelCheckFailed naming the first kernel that disagrees with its reference."""
+    """Raise KernelCheckFailed naming the first kernel that disagrees with its reference.
+    ``heads``: (query heads, KV heads) of the case; the model's, so that its decode runs the
+    query-heads-per-block variant and the workspace the engine will use."""
+    num_heads, num_kv_heads = heads
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-    hidden = _HEADS * head_dim
+    hidden = num_heads * head_dim
     x, res, weight = rand(3, hidden), rand(3, hidden), rand(hidden)
     _compare(
         "fused_add_rms_norm",
@@ -59,11 +66,11 @@ def check(
     meta, slots = _metadata(device, block_size)
     num_blocks = int(meta.block_tables.max()) + 2
     cache = (
-        rand(num_blocks, block_size, _KV_HEADS, head_dim),
-        rand(num_blocks, block_size, _KV_HEADS, head_dim),
+        rand(num_blocks, block_size, num_kv_heads, head_dim),
+        rand(num_blocks, block_size, num_kv_heads, head_dim),
     )
     tokens = meta.num_tokens
-    qkv = rand(tokens, (_HEADS + 2 * _KV_HEADS) * head_dim)
+    qkv = rand(tokens, (num_heads + 2 * num_kv_heads) * head_dim)
     positions = torch.tensor(
         [s - q + i for q, s in zip(_Q_LENS, _SEQ_LENS, strict=True) for i in range(q)],
         device=device,
@@ -78,7 +85,7 @@ def check(
         (reference_norm_rope.qk_norm_rope_kv, (cache[0].clone(), cache[1].clone()), qkv.clone()),
     ):
         assert fused is not None
-        q = fused(q_in, positions, cos, sin, qw, kw, 1e-6, kc, vc, slots, _HEADS, _KV_HEADS)
+        q = fused(q_in, positions, cos, sin, qw, kw, 1e-6, kc, vc, slots, num_heads, num_kv_heads)
         results.append((q.clone(), kc, vc))
     (q, kc, vc), (ref_q, ref_kc, ref_vc) = results
     _compare("qk_norm_rope_kv (q)", q, ref_q)

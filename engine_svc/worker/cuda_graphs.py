@@ -87,8 +87,8 @@ class CudaGraphCapture:
         self.stream = torch.cuda.Stream(device)
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Graph:
-        # capture_begin/end rather than torch.cuda.graph, which also runs gc.collect() and
-        # empty_cache() for every graph (seconds over dozens of sizes).
+        # capture_begin/end rather than torch.cuda.graph, which synchronizes and may collect
+        # garbage and empty the cache for every graph (seconds over dozens of sizes).
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)  # the inputs, copied on the default stream
         with torch.cuda.stream(self.stream):
@@ -100,14 +100,33 @@ class CudaGraphCapture:
             try:
                 output = fn()
             except BaseException:
-                try:
-                    graph.capture_end()
-                except RuntimeError:
-                    pass  # the capture was already invalid: report the first error
+                self._end_failed(graph)  # report the first error, not the invalid capture's
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except BaseException:
+                self._close_pool()
+                raise
         torch.cuda.synchronize(self.device)
         return _CudaGraph(graph, output)
+
+    def _end_failed(self, graph: torch.cuda.CUDAGraph) -> None:
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            self._close_pool()
+
+    def _close_pool(self) -> None:
+        """A capture_end that fails (an invalidated capture) throws before torch tells its
+        allocator the capture is over; left so, the allocator refuses empty_cache() for good.
+        Tell it here (best effort: a private binding torch.cuda.memory uses too)."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is None:
+            return
+        try:
+            end(self.device.index, self.pool)
+        except RuntimeError as e:
+            logger.warning("could not end the failed capture's allocation to its pool: %s", e)
 
 
 def capture_backend(device: torch.device) -> GraphCapture | None:
@@ -265,11 +284,12 @@ def check_against_eager(
 def _dummy_batch(
     n: int, max_context: int, block_size: int, num_blocks: int, vocab_size: int
 ) -> DummyBatch:
-    """``n`` rows with contexts from 1 up to ~2,100 tokens (partitions of the split-K decode
-    and block boundaries crossed), fitting the blocks there are (distinct blocks per row)."""
+    """``n`` rows with contexts of 1 to ~2,100 tokens, the first the longest (so a batch of
+    one row splits into several partitions of the split-K decode, and crosses blocks),
+    fitting the blocks there are (distinct blocks per row)."""
     rng = np.random.default_rng(0)
     longest = min(max_context, 2113, max(1, (num_blocks * block_size) // n))
-    seq_lens = 1 + (np.arange(n) * 977 + 1) % longest
+    seq_lens = longest - (np.arange(n) * 977) % longest  # the first row: the longest
     need = -(-seq_lens // block_size)
     while need.sum() > num_blocks:  # too few blocks for this many rows: shorter contexts
         seq_lens = np.maximum(seq_lens // 2, 1)

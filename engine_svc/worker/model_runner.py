@@ -169,6 +169,7 @@ class ModelRunner:
             )
         except BaseException:
             self.kv_caches = self._allocate_kv_caches()
+            self.graphs = self._capture_graphs()  # over the new cache
             raise
         trim_heap()  # the KV cache's host memory back to the system, wherever it was allocated
         logger.info("asleep (level %d): KV cache freed, weights %s", level, _WHERE[level])
@@ -217,6 +218,12 @@ class ModelRunner:
         capture = cuda_graphs.capture_backend(self.device)
         if capture is None:
             return None
+        if not self.buckets:
+            logger.warning(
+                "CUDA graphs off: no --cuda-graph-sizes value is at most max_num_seqs (%d)",
+                self.config.scheduler.max_num_seqs,
+            )
+            return None
         if not getattr(self.kernels.attention, "graph_safe", False):
             logger.warning(
                 "CUDA graphs off: the %s attention backend cannot be captured; serving eagerly",
@@ -254,7 +261,10 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 -- a capture error or a mismatch: serve eagerly
             logger.warning("CUDA graphs off (%s: %s); serving eagerly", type(e).__name__, e)
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+                try:
+                    torch.cuda.empty_cache()  # the failed graphs' pool
+                except RuntimeError as cleanup:
+                    logger.warning("after the failed capture, empty_cache failed: %s", cleanup)
             return None
         logger.info(
             "CUDA graphs checked against the eager forward at %s rows: %s",

@@ -162,7 +162,7 @@ def _adjusted(
         ban_rows = [row for row, ids in md.banned for _ in ids]
         ban_ids = [t for _, ids in md.banned for t in ids]
         at = torch.searchsorted(rows, upload(ban_rows, x.device))
-        ninf = torch.tensor(_NEG_INF, device=x.device)  # a scalar: no copy
+        ninf = torch.full((), _NEG_INF, device=x.device)  # made there: no host copy
         x.index_put_((at, upload(ban_ids, x.device)), ninf)
     return rows, x
 

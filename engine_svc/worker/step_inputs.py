@@ -131,7 +131,8 @@ class StepBuffers:
         self._device = torch.zeros(size, dtype=torch.uint8, device=device)
         if device.type == "cuda":
             self._twins = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in (0, 1)]
-            self._fences: list[torch.cuda.Event | None] = [None, None]
+            # One event per twin, recorded after its copy (one never recorded queries True).
+            self._fences: list[torch.cuda.Event | None] = [torch.cuda.Event(), torch.cuda.Event()]
         else:
             self._twins = [self._device]
             self._fences = [None]
@@ -184,9 +185,9 @@ class StepBuffers:
             self._tables(self._device)[:num_reqs].copy_(
                 self._tables(twin)[:num_reqs], non_blocking=True
             )
-            fence = torch.cuda.Event()
+            fence = self._fences[self._next]
+            assert fence is not None
             fence.record()
-            self._fences[self._next] = fence
         self._next = (self._next + 1) % len(self._twins)
 
 

@@ -171,5 +171,7 @@ def test_a_decode_step_syncs_once_and_makes_few_cuda_calls(
     counts = Counter(e.name for e in prof.events())
     calls = sum(counts[n] for n in _CALLS)
     assert counts["cudaGraphLaunch"] == steps, counts
-    assert sum(counts[n] for n in _SYNCS) <= steps, counts
+    # The profiler's own exit synchronizes the device once, inside the window.
+    assert counts["cudaDeviceSynchronize"] <= 1, counts
+    assert sum(counts[n] for n in _SYNCS if n != "cudaDeviceSynchronize") <= steps, counts
     assert calls <= MAX_CALLS_PER_STEP * steps, {n: counts[n] for n in _CALLS}

@@ -235,3 +235,32 @@ def test_graphs_are_captured_again_after_sleep(
     graphs = llm.engine.runner.graphs
     assert graphs is not None and len(fake_capture.captured) == 2 * len(first)
     assert _greedy(llm, prompts) == before
+
+
+def test_a_failed_cuda_capture_ends_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An invalidated capture throws from capture_end before torch closes the pool's allocation;
+    left open, the allocator would refuse empty_cache() (and the eager fallback) for good."""
+    capture = object.__new__(cuda_graphs.CudaGraphCapture)  # no CUDA here: the logic only
+    capture.device, capture.pool = torch.device("cuda", 0), (0, 7)
+    ended: list[tuple[int | None, tuple[int, int]]] = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_endAllocateToPool", lambda d, p: ended.append((d, p)), raising=False
+    )
+
+    class Invalidated:
+        def capture_end(self) -> None:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    capture._end_failed(Invalidated())  # type: ignore[arg-type]
+    assert ended == [(0, (0, 7))]
+
+
+def test_graph_sizes_all_above_max_num_seqs_capture_nothing_and_say_so(
+    tiny_models: dict[str, Path], fake_capture: FakeCapture, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="engine_svc.worker.model_runner"):
+        llm = _llm(tiny_models["llama"], pad_decode_batches=True, cuda_graph_sizes=(100, 200))
+    assert llm.engine.runner.graphs is None and not fake_capture.captured
+    assert "no --cuda-graph-sizes value is at most max_num_seqs (6)" in caplog.text
+    prompts = _prompts([3, 5], 10)
+    assert _greedy(llm, prompts) == _greedy(_llm(tiny_models["llama"]), prompts)
