@@ -47,7 +47,7 @@ from engine_svc.worker.cuda_graphs import DecodeGraphs
 from engine_svc.worker.device import resolve_device, resolve_dtype
 from engine_svc.worker.input_batch import InputBatch
 from engine_svc.worker.pooler import Pooler
-from engine_svc.worker.sampler import gather_logprobs, sample
+from engine_svc.worker.sampler import SamplerOutput, gather_logprobs, sample
 from engine_svc.worker.sampling_inputs import sampling_metadata
 from engine_svc.worker.sleep_mode import SleepingWeights, check_sleep_level, put_to_sleep
 from engine_svc.worker.step_inputs import StepBuffers, StepInputs, build_step, graph_sizes
@@ -348,12 +348,13 @@ class ModelRunner:
                 self.grammar_bitmask.apply(logits, constrained.tolist(), grammars)
             md = sampling_metadata(self.input_batch, rows, reqs, self.generators, logits.shape[-1])
             result = sample(logits, md)
+            logprobs = _logprobs_to_host(result)  # copies queued before the sync: they ride on it
             token_ids = result.token_ids.tolist()  # the one host sync of the step
             self.input_batch.append_sampled(rows.tolist(), token_ids, result.token_ids)
             for req, token in zip(reqs, token_ids, strict=True):
                 out.sampled[req.request_id] = token
-            if result.top_ids is not None:
-                self._collect_logprobs(reqs, result, out)
+            if logprobs is not None:
+                self._collect_logprobs(reqs, logprobs, out)
         for i, s in enumerate(step.batch):
             if s.request.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(s, hidden, int(step.last_index[i]), out)
@@ -400,11 +401,12 @@ class ModelRunner:
             elif s.block_ids:
                 batch.append_blocks(batch.row_of[s.request.request_id], s.block_ids)
 
-    def _collect_logprobs(self, reqs: list[Request], result, out: ModelRunnerOutput) -> None:  # type: ignore[no-untyped-def]
-        lp = result.sampled_logprobs.tolist()
-        ranks = result.sampled_ranks.tolist()
-        top_ids = result.top_ids.tolist()
-        top_lp = result.top_logprobs.tolist()
+    def _collect_logprobs(
+        self, reqs: list[Request], host: list[torch.Tensor], out: ModelRunnerOutput
+    ) -> None:
+        """``host``: the sampled tokens' logprobs, ranks, top ids and top logprobs, on the host
+        (``_logprobs_to_host``, read after the step's sync)."""
+        lp, ranks, top_ids, top_lp = (t.tolist() for t in host)
         for row, r in enumerate(reqs):
             n = r.sampling_params.logprobs
             if n is None:
@@ -453,3 +455,13 @@ class ModelRunner:
                 entries.append(Logprobs(tok, c, rk, dict(zip(ids, lps, strict=True))))
         if entries:
             out.prompt_logprobs[req.request_id] = entries
+
+
+def _logprobs_to_host(result: SamplerOutput) -> list[torch.Tensor] | None:
+    """The sampler's logprob tensors copied to host memory without waiting (pinned, non-blocking;
+    on the CPU, themselves): queued before the step reads its token ids, whose sync they then
+    share, instead of one sync per tensor. None when no row asked for logprobs."""
+    if result.top_ids is None:
+        return None
+    tensors = (result.sampled_logprobs, result.sampled_ranks, result.top_ids, result.top_logprobs)
+    return [t.to("cpu", non_blocking=True) for t in tensors if t is not None]
