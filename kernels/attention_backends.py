@@ -50,6 +50,7 @@ class AttentionBackend(Protocol):
     """Writes a step's K/V into the paged cache and attends over it."""
 
     name: str
+    graph_safe: bool  # decode reads lengths and block tables from the device only
 
     def write_kv_cache(
         self,

@@ -160,20 +160,7 @@ def decode_metadata(
     the bounds a graph is captured with (every context ``max_context`` long); the device-side
     buffers hold the real values either way."""
     lens = [max_context] * size if seq_lens is None else seq_lens
-    views = buffers.views(size, size)
-    return AttentionMetadata(
-        num_reqs=size,
-        num_decodes=size,
-        num_tokens=size,
-        slot_mapping=views.slot_mapping,
-        block_tables=views.block_tables,
-        seq_lens=views.seq_lens,
-        query_start_loc=views.query_start_loc,
-        seq_lens_cpu=lens,
-        query_start_loc_cpu=list(range(size + 1)),
-        max_decode_seq_len=max(lens),
-        max_seq_len=max(lens),
-    )
+    return buffers.views(size, size).metadata(size, lens, list(range(size + 1)))
 
 
 @dataclass(frozen=True)
@@ -279,6 +266,32 @@ def check_against_eager(
             f"(hidden states up to {scale:.3g}; tolerance {tolerance:g} of that)"
         )
     return diff / scale
+
+
+def capture_checked(
+    sizes: list[int],
+    forward: Forward,
+    buffers: StepBuffers,
+    capture: GraphCapture,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    max_context: int,
+    vocab_size: int,
+) -> DecodeGraphs:
+    """Capture every size, then check two against the eager forward: the largest, and the
+    smallest padded one (its row splits into several partitions); raises what fails."""
+    block_size = kv_caches[0][0].shape[1]
+    graphs = capture_decode_graphs(sizes, forward, buffers, capture, max_context, block_size)
+    checks = [sizes[-1], *[b for b in sizes if 1 < b < sizes[-1]][:1]]
+    errors = [
+        check_against_eager(graphs, forward, buffers, kv_caches, size, max_context, vocab_size)
+        for size in checks
+    ]
+    logger.info(
+        "CUDA graphs checked against the eager forward at %s rows: %s",
+        ", ".join(map(str, checks)),
+        ", ".join("identical" if err == 0 else f"within {err:.2g}" for err in errors),
+    )
+    return graphs
 
 
 def _dummy_batch(

@@ -224,7 +224,7 @@ class ModelRunner:
                 self.config.scheduler.max_num_seqs,
             )
             return None
-        if not getattr(self.kernels.attention, "graph_safe", False):
+        if not self.kernels.attention.graph_safe:
             logger.warning(
                 "CUDA graphs off: the %s attention backend cannot be captured; serving eagerly",
                 self.kernels.attention.name,
@@ -236,28 +236,15 @@ class ModelRunner:
 
         try:
             with torch.inference_mode():
-                graphs = cuda_graphs.capture_decode_graphs(
+                return cuda_graphs.capture_checked(
                     self.buckets,
                     forward,
                     self.buffers,
                     capture,
+                    self.kv_caches,
                     self.max_model_len,
-                    self.block_size,
+                    self.spec.vocab_size,
                 )
-                checks = [self.buckets[-1]]
-                checks += [b for b in self.buckets if 1 < b < self.buckets[-1]][:1]
-                errors = [
-                    cuda_graphs.check_against_eager(
-                        graphs,
-                        forward,
-                        self.buffers,
-                        self.kv_caches,
-                        size,
-                        self.max_model_len,
-                        self.spec.vocab_size,
-                    )
-                    for size in checks
-                ]
         except Exception as e:  # noqa: BLE001 -- a capture error or a mismatch: serve eagerly
             logger.warning("CUDA graphs off (%s: %s); serving eagerly", type(e).__name__, e)
             if self.device.type == "cuda":
@@ -266,12 +253,6 @@ class ModelRunner:
                 except RuntimeError as cleanup:
                     logger.warning("after the failed capture, empty_cache failed: %s", cleanup)
             return None
-        logger.info(
-            "CUDA graphs checked against the eager forward at %s rows: %s",
-            ", ".join(map(str, checks)),
-            ", ".join("identical" if err == 0 else f"within {err:.2g}" for err in errors),
-        )
-        return graphs
 
     def _kv_layout(self) -> KVCacheLayout:
         cache = self.config.cache

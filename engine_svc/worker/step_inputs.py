@@ -19,6 +19,7 @@ adapter id (0: none, padding included), None when no request of the step has one
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,8 +78,10 @@ _TORCH = {"int64": torch.int64, "int32": torch.int32}
 Region = tuple[str, int, str, int]  # name, byte offset, dtype name, length
 
 
-def _packed(num_tokens: int, num_reqs: int) -> tuple[list[Region], int]:
-    """Where each small input of a step of that shape lies, and the bytes they take together."""
+@functools.lru_cache(maxsize=4096)
+def _packed(num_tokens: int, num_reqs: int) -> tuple[tuple[Region, ...], int]:
+    """Where each small input of a step of that shape lies, and the bytes they take together
+    (cached: a step asks twice, and shapes repeat)."""
     count = {"tokens": num_tokens, "reqs": num_reqs, "reqs+1": num_reqs + 1}
     regions: list[Region] = []
     offset = 0
@@ -86,7 +89,7 @@ def _packed(num_tokens: int, num_reqs: int) -> tuple[list[Region], int]:
         n = count[size]
         regions.append((name, offset, dtype, n))
         offset += -(-n * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
-    return regions, offset
+    return tuple(regions), offset
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,25 @@ class StepTensors:
     seq_lens: torch.Tensor  # [R] int32
     query_start_loc: torch.Tensor  # [R + 1] int32
     block_tables: torch.Tensor  # [R, max_blocks] int32, full rows
+
+    def metadata(
+        self, num_decodes: int, seq_lens: list[int], query_start_loc: list[int]
+    ) -> AttentionMetadata:
+        """The attention metadata over these views, with the host-side copies of the lengths
+        and offsets (the real ones, or the bounds a CUDA graph is captured with)."""
+        return AttentionMetadata(
+            num_reqs=len(seq_lens),
+            num_decodes=num_decodes,
+            num_tokens=query_start_loc[-1],
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=query_start_loc,
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            max_seq_len=max(seq_lens),
+        )
 
 
 class StepBuffers:
@@ -255,19 +277,7 @@ def build_step(
     buffers.commit(num_tokens, size)
 
     views = buffers.views(num_tokens, size)
-    meta = AttentionMetadata(
-        num_reqs=size,
-        num_decodes=num_decodes,
-        num_tokens=num_tokens,
-        slot_mapping=views.slot_mapping,
-        block_tables=views.block_tables,
-        seq_lens=views.seq_lens,
-        query_start_loc=views.query_start_loc,
-        seq_lens_cpu=seq_lens.tolist(),
-        query_start_loc_cpu=cu.tolist(),
-        max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)),
-        max_seq_len=int(seq_lens.max()),
-    )
+    meta = views.metadata(num_decodes, seq_lens.tolist(), cu.tolist())
     return StepInputs(
         input_ids=views.input_ids,
         positions=views.positions,

@@ -195,7 +195,7 @@ def test_a_replay_that_differs_from_eager_leaves_the_engine_eager(
 def test_the_self_check_passes_an_exact_replay(
     tiny_models: dict[str, Path], fake_capture: FakeCapture, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="engine_svc.worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine_svc.worker.cuda_graphs"):
         llm = _llm(tiny_models["qwen3"], pad_decode_batches=True)
     assert llm.engine.runner.graphs is not None
     assert "checked against the eager forward at 6, 2 rows: identical, identical" in caplog.text
