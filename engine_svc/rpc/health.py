@@ -2,8 +2,9 @@
 
 Health means "can generate": the server's watchdog sets NOT_SERVING while the engine loop is
 stalled, dead or draining, and SERVING again when it recovers. Unlike grpcio-health-checking's
-servicer, ``close()`` ends every ``Watch`` call (after its last status), so a stopping server
-has no long-lived call left to cancel.
+servicer, ``close()`` ends every ``Watch`` call (after its last status) and ``watches_ended``
+waits until their handlers have returned, so a stopping server has no long-lived call left to
+cancel.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_svc.rpc.open_calls import OpenCalls
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -26,6 +29,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self._status = dict.fromkeys(self._services, NOT_SERVING)
         self._changed = asyncio.Condition()
         self._closed = False
+        self._watches: OpenCalls[object] = OpenCalls()
 
     @property
     def serving(self) -> bool:
@@ -45,6 +49,10 @@ class HealthService(health_pb2_grpc.HealthServicer):
                 self._status[name] = NOT_SERVING
             self._changed.notify_all()
 
+    async def watches_ended(self, timeout_s: float) -> bool:
+        """Wait until every Watch call has returned (after ``close``)."""
+        return await self._watches.ended(timeout_s)
+
     async def Check(  # noqa: N802 - gRPC method name
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
@@ -57,16 +65,21 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> None:
         last: int | None = None
-        while True:
-            async with self._changed:
-                while not self._closed and self._status_of(request.service) == last:
-                    await self._changed.wait()
-                status = self._status_of(request.service)
-            if status != last:  # written outside the lock: a slow watcher holds nobody up
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            if self._closed:
-                return
+        call = object()
+        self._watches.add(call)
+        try:
+            while True:
+                async with self._changed:
+                    while not self._closed and self._status_of(request.service) == last:
+                        await self._changed.wait()
+                    status = self._status_of(request.service)
+                if status != last:  # written outside the lock: a slow watcher holds nobody up
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                if self._closed:
+                    return
+        finally:
+            self._watches.discard(call)
 
     def _status_of(self, service: str) -> int:
         return self._status.get(service, SERVICE_UNKNOWN)

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Engine"]
 SERVICE_NAME = SERVICE.full_name
 MAX_MESSAGE_BYTES = 64 * 2**20
+# How long shutdown waits for the calls it ended to return before the server cancels them.
+_CALLS_END_S = 2.0
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -147,10 +149,15 @@ async def _serve_built(
     if aborted:
         logger.warning("aborted %d requests still running at the shutdown timeout", aborted)
     await asyncio.sleep(0.2)  # let the last outputs reach their streams
-    # End the long-lived calls ourselves (Streams: UNAVAILABLE, health Watch: NOT_SERVING), so
-    # the server has nothing left to cancel: a cancelled call logs a traceback.
-    servicer.close_calls("the engine is shutting down")
+    # End the long-lived calls ourselves (health Watch: NOT_SERVING, Streams: UNAVAILABLE) and
+    # wait until their handlers have returned, so the server has nothing left to cancel: a
+    # cancelled handler logs a traceback. Health first: a gateway whose Stream ends drops its
+    # Watch and channel at once.
     await health_service.close()
+    await health_service.watches_ended(_CALLS_END_S)
+    servicer.close_calls("the engine is shutting down")
+    if not await servicer.calls_ended(_CALLS_END_S):
+        logger.warning("some calls did not end within %.1fs; the server cancels them", _CALLS_END_S)
     await server.stop(grace=2.0)
     if health_server is not None:
         await health_server.stop(grace=1.0)

@@ -33,6 +33,7 @@ from engine_svc.lora.errors import LoRAError
 from engine_svc.rpc import convert
 from engine_svc.rpc.handlers import Malformed
 from engine_svc.rpc.lora_rpcs import LoRARpcs, lora_status
+from engine_svc.rpc.open_calls import OpenCalls
 from engine_svc.rpc.stream_outbox import StreamOutbox
 from engine_svc.rpc.utility_rpcs import UtilityRpcs
 from protos.tandem.engine.v1 import engine_pb2 as pb
@@ -105,7 +106,7 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
         self.model_dir = Path(model_dir)
         self.version = version
         # Inboxes of the open Stream and Generate calls, to end them at shutdown.
-        self._open_calls: set[asyncio.Queue[Any]] = set()
+        self._open_calls: OpenCalls[asyncio.Queue[Any]] = OpenCalls()
 
     # ------------------------------------------------------------------ validation
     def _validate(
@@ -238,8 +239,12 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
         """End every open Stream and Generate call with UNAVAILABLE (the engine is stopping), so
         none is left for the server to cancel mid-call (even if a stalled loop never answers
         them)."""
-        for inbox in list(self._open_calls):
+        for inbox in self._open_calls:
             inbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
+
+    async def calls_ended(self, timeout_s: float) -> bool:
+        """Wait until every Stream and Generate call has returned (after ``close_calls``)."""
+        return await self._open_calls.ended(timeout_s)
 
     # ------------------------------------------------------------------ Generate
     async def Generate(  # noqa: N802
