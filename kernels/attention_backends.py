@@ -10,9 +10,11 @@ and testable against each other. They differ in how attention reads it:
             (kernels/paged_decode_cpu.c: no gather, no padding, the cache's dtype); prefill
             chunks through torch's scaled_dot_product_attention per request. RMSNorm (with
             the residual add) and SiLU-and-multiply in one pass each (norm_act_cpu.c).
-    cuda    the CUDA C kernels (paged_decode.cu split-K decode, paged_prefill.cu), RMSNorm
-            (plain and fused with the residual add), q/k norm + rotary + KV-cache write in one
-            kernel (norm_rope.cu), SiLU-and-multiply (activation.cu). Given the engine's shape
+    cuda    the CUDA C kernels (paged_decode.cu split-K decode; prefill through torch's
+            FlashAttention-2 where it runs and passes its start-up check, kernels.flash_prefill,
+            else paged_prefill.cu), RMSNorm (plain and fused with the residual add), q/k norm +
+            rotary + KV-cache write in one kernel (norm_rope.cu), SiLU-and-multiply
+            (activation.cu). Given the engine's shape
             (``DecodeShape``) its decode is graph-safe: the split-K partition count depends on
             the batch size and max_model_len only, its partials live in a preallocated
             workspace.
@@ -204,11 +206,13 @@ class _DecodePlan:
 class CudaAttention:
     name = "cuda"
 
-    def __init__(self, plan: _DecodePlan | None = None) -> None:
+    def __init__(self, plan: _DecodePlan | None = None, flash_prefill: bool = False) -> None:
         """``plan`` None: partitions from each step's lengths, partials allocated per call
-        (tests); not graph-safe."""
+        (tests); not graph-safe. ``flash_prefill``: multi-token rows through FlashAttention-2
+        (``kernels.flash_prefill``) instead of paged_prefill.cu."""
         self._plan = plan
         self.graph_safe = plan is not None
+        self.flash_prefill = flash_prefill
 
     def write_kv_cache(
         self,
@@ -233,18 +237,24 @@ class CudaAttention:
     ) -> torch.Tensor:
         from kernels import cuda_ops
 
-        plan = self._plan
-        if plan is None or not meta.num_decodes:
-            return cuda_ops.paged_attention(query, key_cache, value_cache, meta, scale)
-        return cuda_ops.paged_attention(
+        plan, partitions, workspace = self._plan, None, None
+        if plan is not None and meta.num_decodes:
+            partitions, workspace = plan.partitions(meta.num_decodes), plan.workspace
+        out = cuda_ops.paged_attention(
             query,
             key_cache,
             value_cache,
             meta,
             scale,
-            partitions=plan.partitions(meta.num_decodes),
-            workspace=plan.workspace,
+            partitions=partitions,
+            workspace=workspace,
+            prefill=not self.flash_prefill,
         )
+        if self.flash_prefill:
+            from kernels import flash_prefill
+
+            flash_prefill.prefill(out, query, key_cache, value_cache, meta, scale, new_kv)
+        return out
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -307,16 +317,40 @@ def cuda_kernels(
         cuda_ops.check_head_dim(head_dim, dtype, prefill)
     cuda_ops.preload(dtype, head_dim)
     plan = None if shape is None else _DecodePlan(shape, head_dim, device)
+    heads = (4, 2) if shape is None else (shape.num_heads, shape.num_kv_heads)
     kernels = Kernels(
-        CudaAttention(plan),
+        CudaAttention(plan, _flash_prefill(device, dtype, head_dim, block_size, heads)),
         cuda_ops.rms_norm,
         cuda_ops.fused_add_rms_norm,
         cuda_ops.silu_and_mul,
         cuda_ops.qk_norm_rope_kv,
     )
-    heads = (4, 2) if shape is None else (shape.num_heads, shape.num_kv_heads)
     self_check.check(kernels, device, dtype, head_dim, block_size, heads)
     return kernels
+
+
+def _flash_prefill(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    heads: tuple[int, int],
+) -> bool:
+    """Whether prefill rows go through FlashAttention-2: where it runs and passes its check
+    against the torch reference on this GPU (else paged_prefill.cu, with the reason logged)."""
+    from kernels import flash_prefill, self_check
+
+    reason = flash_prefill.unsupported(device, dtype, head_dim)
+    if reason is None:
+        try:
+            self_check.check_flash_prefill(device, dtype, head_dim, block_size, heads)
+        except Exception as e:  # noqa: BLE001 -- a wrong result or the kernel's own error
+            reason = f"it failed its check: {e}"
+    if reason is not None:
+        logger.warning("prefill attention: paged_prefill.cu (FlashAttention-2 unused: %s)", reason)
+        return False
+    logger.info("prefill attention: FlashAttention-2 (torch's variable-length kernel)")
+    return True
 
 
 def _cpu(dtype: torch.dtype, head_dim: int, block_size: int, cache_dir: Path) -> Kernels:

@@ -310,9 +310,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
     partitions: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    prefill: bool = True,
 ) -> torch.Tensor:
     """Causal attention of every scheduled query token over its request's cached context: decodes
-    through paged_decode.cu (split-K), multi-token requests through paged_prefill.cu. Returns
+    through paged_decode.cu (split-K), multi-token requests through paged_prefill.cu (``prefill``
+    False: their rows are left to the caller, ``kernels.flash_prefill``). Returns
     ``out`` (a new contiguous [num_tokens, num_heads, head_dim] tensor unless given; tests pass a
     NaN-filled one to catch unwritten elements).
 
@@ -372,7 +374,8 @@ def paged_attention(
     b = meta.num_decodes
     if b:
         check_head_dim(d, query.dtype, prefill=False)
-    if meta.num_reqs > b:
+    prefill = prefill and meta.num_reqs > b
+    if prefill:
         check_head_dim(d, query.dtype, prefill=True)
     if b:
         if partitions is None:
@@ -380,7 +383,7 @@ def paged_attention(
             partitions = decode_partitions(b, h, hkv, longest_decode, num_sms(dev))
         _decode(out, query, key_cache, value_cache, tables, seq_lens, b, scale, partitions,
                 workspace)  # fmt: skip
-    if meta.num_reqs > b:
+    if prefill:
         _prefill(out, query, key_cache, value_cache, tables, seq_lens, meta, scale)
     return out
 

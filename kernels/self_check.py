@@ -6,15 +6,18 @@ rather than wrong tokens. Takes milliseconds; the GPU tests (tests/gpu) are the 
 The case runs what a layer runs: RMSNorm fused with the residual add, the fused q/k norm +
 rotary + KV-cache write, paged attention over one decode (crossing split-K partitions) and one
 prefill chunk after a cached prefix, SiLU-and-multiply; the same on the references, compared.
+``check_flash_prefill`` does the same for FlashAttention-2's prefill on its own, so that it can
+be left out (the scalar prefill kernel taken) without losing the rest.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference, reference_norm_rope
+from kernels import flash_prefill, reference, reference_norm_rope
 from kernels.attention_backends import Kernels
 from kernels.attention_metadata import AttentionMetadata
+from kernels.flash_prefill import VarlenAttention
 
 # Kernel vs reference (rtol, atol): reduction order plus about one rounding of the dtype.
 _TOLERANCE = {
@@ -99,9 +102,50 @@ def check(
     )
 
 
-def _metadata(device: torch.device, block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
-    """The two requests of the case, their blocks in reverse order (a table is not a range)."""
-    need = [-(-s // block_size) for s in _SEQ_LENS]
+def check_flash_prefill(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    heads: tuple[int, int] = (4, 2),
+    attend: VarlenAttention | None = None,
+) -> None:
+    """FlashAttention-2 prefill (``kernels.flash_prefill``) against the torch reference: a step
+    of one decode, a chunk after a cached prefix and a whole prompt (its context gathered from
+    the cache), then a step of whole prompts only (read from the step's own K/V). ``attend``:
+    the variable-length kernel checked (None: FlashAttention-2)."""
+
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator(device=device).manual_seed(1)
+    for q_lens, seq_lens in (((1, 6, 19), (700, 40, 19)), ((19, 33), (19, 33))):
+        meta, slots = _metadata(device, block_size, q_lens, seq_lens)
+        shape = (int(meta.block_tables.max()) + 2, block_size, num_kv_heads, head_dim)
+        kc = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        vc = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        query = torch.randn(
+            meta.num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype
+        )
+        flat = (kc.flatten(0, 1), vc.flatten(0, 1))
+        new_kv = (flat[0][slots], flat[1][slots])
+        scale = head_dim**-0.5
+        want = reference.paged_attention(query, kc, vc, meta, scale)
+        got = torch.full_like(want, float("nan"))
+        flash_prefill.prefill(
+            got, query, kc, vc, meta, scale, new_kv, attend or flash_prefill.flash_varlen
+        )
+        rows = slice(meta.query_start_loc_cpu[meta.num_decodes], meta.num_tokens)
+        _compare("flash prefill", got[rows], want[rows])
+
+
+def _metadata(
+    device: torch.device,
+    block_size: int,
+    q_lens: tuple[int, ...] = _Q_LENS,
+    seq_lens: tuple[int, ...] = _SEQ_LENS,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Requests of ``q_lens`` query tokens over contexts of ``seq_lens`` (leading single tokens
+    are decodes), their blocks in reverse order (a table is not a range)."""
+    need = [-(-s // block_size) for s in seq_lens]
     ids = list(range(sum(need), 0, -1))
     width = max(need)
     tables = torch.zeros(len(need), width, dtype=torch.int32)
@@ -109,21 +153,24 @@ def _metadata(device: torch.device, block_size: int) -> tuple[AttentionMetadata,
     for r, n in enumerate(need):
         tables[r, :n] = torch.tensor(ids[:n])
         ids = ids[n:]
-        for p in range(_SEQ_LENS[r] - _Q_LENS[r], _SEQ_LENS[r]):
+        for p in range(seq_lens[r] - q_lens[r], seq_lens[r]):
             slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
-    starts = [0, _Q_LENS[0], _Q_LENS[0] + _Q_LENS[1]]
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    num_decodes = next((r for r, q in enumerate(q_lens) if q > 1), len(q_lens))
     meta = AttentionMetadata(
-        num_reqs=2,
-        num_decodes=1,
+        num_reqs=len(q_lens),
+        num_decodes=num_decodes,
         num_tokens=starts[-1],
         slot_mapping=torch.tensor(slots, device=device),
         block_tables=tables.to(device),
-        seq_lens=torch.tensor(_SEQ_LENS, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens_cpu=list(_SEQ_LENS),
+        seq_lens_cpu=list(seq_lens),
         query_start_loc_cpu=starts,
-        max_decode_seq_len=_SEQ_LENS[0],
-        max_seq_len=max(_SEQ_LENS),
+        max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+        max_seq_len=max(seq_lens),
     )
     return meta, meta.slot_mapping
 

@@ -14,7 +14,10 @@
 #              NaN-poisoned outputs), CUDA graph replay == eager bit for bit, greedy tokens with
 #              graphs on == off, one host sync per decode step, engine parity
 #              -> $OUT/gpu_tests.log
-#   kernels    benchmarks/kernels_decode.py -> $OUT/kernels_decode.json
+#   kernels    benchmarks/kernels_decode.py (decode vs copy bandwidth, Qwen3-0.6B and Llama-3-8B
+#              heads, batch 1/64/256, contexts 512-8192 and mixed) -> $OUT/kernels_decode.json;
+#              benchmarks/kernels_prefill.py (FlashAttention-2 prefill vs the scalar kernel, flash
+#              SDPA and the GEMM rate) -> $OUT/kernels_prefill.json
 #   anatomy    benchmarks/step_anatomy.py --device cuda: decode step ms, host CUDA calls and
 #              syncs per step, batch 1/32/128/256 x context 512/1024/2048, graphs on and off
 #              -> $OUT/step_anatomy_cuda.json
@@ -76,9 +79,12 @@ for phase in "$@"; do
     kernels)
       if [[ "${DRY_RUN:-0}" == 1 ]]; then
         python3 benchmarks/kernels_decode.py --help >/dev/null && echo "kernels_decode.py parses"
+        python3 benchmarks/kernels_prefill.py --help >/dev/null && echo "kernels_prefill.py parses"
       else
+        timeout 100 python3 benchmarks/kernels_prefill.py --dtype bfloat16 \
+          --out "$OUT/kernels_prefill.json" 2>&1 | quiet 12
         timeout 120 python3 benchmarks/kernels_decode.py --dtype bfloat16 \
-          --out "$OUT/kernels_decode.json" 2>&1 | quiet 30
+          --out "$OUT/kernels_decode.json" 2>&1 | quiet 40
       fi
       ;;
     anatomy)

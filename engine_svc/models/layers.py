@@ -161,8 +161,12 @@ class PagedAttention(nn.Module):
         return self.backend.forward(q, key_cache, value_cache, meta, self.scale, (k, v))
 
     def attend(
-        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Attention only: this step's K/V are already in the cache (a fused prologue wrote
-        them)."""
-        return self.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        """Attention only: this step's K/V (``new_kv``, when at hand) are already in the cache
+        (a fused prologue wrote them)."""
+        return self.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale, new_kv)

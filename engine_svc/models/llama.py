@@ -179,7 +179,14 @@ class Attention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
         )
-        return self.attn.attend(q, kv, meta)
+        # k (rotated) and v as the prologue left them in qkv: what the cache now holds.
+        t = qkv.shape[0]
+        k, v = qkv[:, self.q_size :].split(self.kv_size, dim=-1)
+        new_kv = (
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+        )
+        return self.attn.attend(q, kv, meta, new_kv)
 
 
 class MLP(nn.Module):
