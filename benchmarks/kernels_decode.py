@@ -7,7 +7,8 @@ Head shapes: Qwen3-0.6B (16 query heads, 8 KV heads) and Llama-3-8B (32/8), head
 block size 16; batch 1, 64 and 256 with every request at the same context (512 .. 8192), and a
 batch of 256 mixed lengths (uniform in 64 .. 4096). The kernel runs as the engine runs it: int32
 block tables, the split-K partition count from ``cuda_ops.decode_partitions`` (for the batch and
-its longest context; reported as P), a preallocated ``DecodeWorkspace``; timed as a CUDA graph of
+its longest context; reported as P), a preallocated ``DecodeWorkspace``; the kernel and its tiled
+variant (``tiled_decode``) on the same inputs, each timed as a CUDA graph of
 20 launches replayed (``benchmarks.gpu_timing.graph_ms``: no Python wrapper in the figure).
 Achieved bandwidth counts the bytes the kernel must move (K and V of every context token, the
 query, the output); the copy bandwidth is read + write of a 1 GiB ``tensor.copy_()``. The
@@ -46,15 +47,20 @@ def measure(heads: tuple[int, int], lens: list[int], dtype: torch.dtype, copy_bw
     parts = cuda_ops.decode_partitions(batch, h, hkv, max(lens), cuda_ops.num_sms(q.device))
     ws = cuda_ops.DecodeWorkspace(batch, h, HEAD_DIM, parts, q.device)
     out = torch.empty_like(q)
-    ms = graph_ms(
-        lambda: cuda_ops.paged_attention(
-            q, kc, vc, meta, scale, out=out, partitions=parts, workspace=ws
-        )
-    )
-    bw = moved / (ms / 1e3)
-    return dict(heads=h, kv_heads=hkv, batch=batch, context=max(lens),
-                mean_context=sum(lens) / batch, partitions=parts, kernel_ms=ms,
-                kernel_bytes_per_s=bw, fraction_of_copy=bw / copy_bw)  # fmt: skip
+    row: dict = dict(heads=h, kv_heads=hkv, batch=batch, context=max(lens),
+                     mean_context=sum(lens) / batch, partitions=parts)  # fmt: skip
+    for name, tiled in (("kernel", False), ("tiled", True)):
+        ms = graph_ms(
+            lambda tiled=tiled: cuda_ops.paged_attention(
+                q, kc, vc, meta, scale, out=out, partitions=parts, workspace=ws,
+                tiled_decode=tiled,
+            )
+        )  # fmt: skip
+        bw = moved / (ms / 1e3)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_bytes_per_s"] = bw
+        row[f"{name}_fraction_of_copy"] = bw / copy_bw
+    return row
 
 
 def main() -> None:
@@ -71,9 +77,8 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"{device}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write); {args.dtype}")
-    print(
-        f"{'heads':>6} {'batch':>5} {'ctx':>6} {'P':>3} {'kernel ms':>9} {'GB/s':>6} {'of copy':>7}"
-    )
+    print(f"{'heads':>6} {'batch':>5} {'ctx':>6} {'P':>3} {'kernel ms':>9} {'of copy':>7} "
+          f"{'tiled ms':>9} {'of copy':>7}")  # fmt: skip
     rows = []
     mixed = [random.Random(0).randint(64, 4096) for _ in range(256)]
     for shape in args.shapes:
@@ -85,8 +90,8 @@ def main() -> None:
             row["mixed"] = lens is mixed
             ctx = "mixed" if lens is mixed else str(max(lens))
             print(f"{heads[0]:>3}/{heads[1]:<2} {len(lens):5d} {ctx:>6} {row['partitions']:3d} "
-                  f"{row['kernel_ms']:9.3f} {row['kernel_bytes_per_s'] / 1e9:6.0f} "
-                  f"{row['fraction_of_copy']:7.0%}")  # fmt: skip
+                  f"{row['kernel_ms']:9.3f} {row['kernel_fraction_of_copy']:7.0%} "
+                  f"{row['tiled_ms']:9.3f} {row['tiled_fraction_of_copy']:7.0%}")  # fmt: skip
             rows.append(row)
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)

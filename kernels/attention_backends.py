@@ -206,13 +206,20 @@ class _DecodePlan:
 class CudaAttention:
     name = "cuda"
 
-    def __init__(self, plan: _DecodePlan | None = None, flash_prefill: bool = False) -> None:
+    def __init__(
+        self,
+        plan: _DecodePlan | None = None,
+        flash_prefill: bool = False,
+        tiled_decode: bool = False,
+    ) -> None:
         """``plan`` None: partitions from each step's lengths, partials allocated per call
         (tests); not graph-safe. ``flash_prefill``: multi-token rows through FlashAttention-2
-        (``kernels.flash_prefill``) instead of paged_prefill.cu."""
+        (``kernels.flash_prefill``) instead of paged_prefill.cu. ``tiled_decode``: the decode
+        kernel's tiled variant (``cuda_ops.paged_attention``; off until measured on a GPU)."""
         self._plan = plan
         self.graph_safe = plan is not None
         self.flash_prefill = flash_prefill
+        self.tiled_decode = tiled_decode
 
     def write_kv_cache(
         self,
@@ -249,6 +256,7 @@ class CudaAttention:
             partitions=partitions,
             workspace=workspace,
             prefill=not self.flash_prefill,
+            tiled_decode=self.tiled_decode,
         )
         if self.flash_prefill:
             from kernels import flash_prefill

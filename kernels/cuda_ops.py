@@ -90,6 +90,7 @@ def _queries_per_block(group: int) -> int:
 @dataclass(frozen=True)
 class _DecodeFns:
     by_qpb: Mapping[int, Any]  # queries per block -> paged_decode_<dtype>_q<n>
+    tiled_by_qpb: Mapping[int, Any]  # -> paged_decode_tiled_<dtype>_q<n>
     reduce: Any
 
 
@@ -107,6 +108,10 @@ def _decode_fns(dtype: torch.dtype, head_dim: int) -> _DecodeFns:
     return _DecodeFns(
         by_qpb={
             q: cuda.function(variants.DECODE, f"paged_decode_{suffix}_q{q}", defines) for q in _QPB
+        },
+        tiled_by_qpb={
+            q: cuda.function(variants.DECODE, f"paged_decode_tiled_{suffix}_q{q}", defines)
+            for q in _QPB
         },
         reduce=cuda.function(variants.DECODE, f"paged_decode_reduce_{suffix}", defines),
     )
@@ -311,6 +316,7 @@ def paged_attention(
     partitions: int | None = None,
     workspace: DecodeWorkspace | None = None,
     prefill: bool = True,
+    tiled_decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of every scheduled query token over its request's cached context: decodes
     through paged_decode.cu (split-K), multi-token requests through paged_prefill.cu (``prefill``
@@ -323,7 +329,9 @@ def paged_attention(
     (the engine passes one computed from ``max_model_len``): used as is, and the decode path
     reads nothing from the host-side metadata, so it can be captured in a CUDA graph and
     replayed with other contexts. ``workspace``: where the split-K partials go (None: allocated
-    per call).
+    per call). ``tiled_decode``: the tiled variant of the decode kernel (several tokens' K/V
+    loaded per lane group before any is used, one softmax rescale per tile; same grid, same
+    results up to rounding), off until a GPU run shows it correct and faster.
 
     Block tables and ``seq_lens`` are used as they are when int32 with unit stride (what the
     engine passes); int64 ones (some tests) are converted here, per call.
@@ -382,7 +390,7 @@ def paged_attention(
             longest_decode = max(meta.seq_lens_cpu[:b])
             partitions = decode_partitions(b, h, hkv, longest_decode, num_sms(dev))
         _decode(out, query, key_cache, value_cache, tables, seq_lens, b, scale, partitions,
-                workspace)  # fmt: skip
+                workspace, tiled_decode)  # fmt: skip
     if prefill:
         _prefill(out, query, key_cache, value_cache, tables, seq_lens, meta, scale)
     return out
@@ -399,6 +407,7 @@ def _decode(
     scale: float,
     partitions: int,
     workspace: DecodeWorkspace | None,
+    tiled: bool = False,
 ) -> None:
     """The first ``num_seqs`` rows of ``query``: one launch of ``partitions`` partitions, then
     the reduce when there is more than one. Reads nothing from the host."""
@@ -425,7 +434,8 @@ def _decode(
         np.int32(tables.stride(0)), np.int64(query.stride(0)), np.int32(query.stride(1)),
         np.int32(partitions), np.float32(scale * _LOG2E),
     )  # fmt: skip
-    cuda.launch(fns.by_qpb[qpb], (h // qpb, b, partitions), (DECODE_THREADS,), args)
+    kernel = (fns.tiled_by_qpb if tiled else fns.by_qpb)[qpb]
+    cuda.launch(kernel, (h // qpb, b, partitions), (DECODE_THREADS,), args)
     if partitions > 1:
         reduce_args = (
             cuda.ptr(out), cuda.ptr(part_out), cuda.ptr(part_max), cuda.ptr(part_sum),

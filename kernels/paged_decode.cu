@@ -2,7 +2,9 @@
 //
 // Compiled once per dtype and head size (-DWITH_F16, -DWITH_BF16 or -DWITH_F32, and
 // -DHEAD_DIM=...; kernels/variants.py lists the sizes built); extern "C" entry points per number
-// of query heads one thread block serves (QPB: 1, 2, 4 or 8 heads that share one KV head).
+// of query heads one thread block serves (QPB: 1, 2, 4 or 8 heads that share one KV head), and
+// the same again for a tiled main loop (paged_decode_tiled_*, described before its code; off in
+// the engine until a GPU run shows it correct and faster).
 //
 //   grid  = (num_heads / QPB, num_seqs, P)     block = 128 threads     (P = max_partitions)
 //
@@ -73,7 +75,34 @@ __device__ __forceinline__ void load_token(const T* __restrict__ k_cache,
   }
 }
 
-template <typename T, int QPB>
+// The scores of one token for the block's QPB query heads: q . k, each lane's chunks summed over
+// its TG-lane group (every lane of the warp must call it).
+template <typename T, int QPB, int CPL, int TG>
+__device__ __forceinline__ void token_scores(const float (&qr)[QPB][CPL][Pack<T>::N],
+                                             const Pack<T> (&k)[CPL], float (&s)[QPB]) {
+#pragma unroll
+  for (int g = 0; g < QPB; ++g) {
+    float d = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CPL; ++c)
+#pragma unroll
+      for (int i = 0; i < Pack<T>::N; ++i) d += qr[g][c][i] * to_float(k[c].v[i]);
+#pragma unroll
+    for (int off = TG / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+    s[g] = d;
+  }
+}
+
+// U = 0: each lane group takes one token per iteration, the next one prefetched.
+// U > 0, the tiled variant (paged_decode_tiled_<dtype>_q<QPB>): the same grid, partitions, merge
+// and outputs as U = 0, a different main loop. Each lane group takes U tokens per iteration (tokens
+// tb + u * GROUPS + group, u < U): it issues the U block-table loads, then all U tokens' K/V
+// loads, before using any (U times the bytes in flight of the one-token prefetch), scores
+// the U tokens, and rescales its running softmax once per tile instead of once per token:
+//   m' = max(m, s_0 .. s_U-1),  l' = l 2^(m - m') + sum_u 2^(s_u - m'),
+//   acc' = acc 2^(m - m') + sum_u 2^(s_u - m') v_u
+// Tokens at or past `end` are neither loaded nor counted (score -inf, weight 0).
+template <typename T, int QPB, int U>
 __device__ __forceinline__ void paged_decode_impl(
     T* __restrict__ out,              // [num_seqs, num_heads, HEAD_DIM], contiguous
     float* __restrict__ part_out,     // [num_seqs, num_heads, P, HEAD_DIM]; P = max_partitions
@@ -151,46 +180,99 @@ __device__ __forceinline__ void paged_decode_impl(
   const i64 row_stride = (i64)num_kv_heads * HEAD_DIM;
   const i64 head_off = (i64)kv_head * HEAD_DIM;
 
-  Pack<T> kcur[CPL], vcur[CPL], knext[CPL], vnext[CPL];
-  load_token<T, CPL, TG, NCHUNK>(k_cache, v_cache, bt, block_size, row_stride, head_off,
-                                 start + group, end, gl, kcur, vcur);
-  // The loop bound is uniform over the block so every lane reaches the shuffles.
-  for (int tb = start; tb < end; tb += GROUPS) {
-    const int t = tb + group;
-    // Prefetch the next token while this one computes.
+  if constexpr (U == 0) {
+    Pack<T> kcur[CPL], vcur[CPL], knext[CPL], vnext[CPL];
     load_token<T, CPL, TG, NCHUNK>(k_cache, v_cache, bt, block_size, row_stride, head_off,
-                                   t + GROUPS, end, gl, knext, vnext);
-    float s[QPB];
+                                   start + group, end, gl, kcur, vcur);
+    // The loop bound is uniform over the block so every lane reaches the shuffles.
+    for (int tb = start; tb < end; tb += GROUPS) {
+      const int t = tb + group;
+      // Prefetch the next token while this one computes.
+      load_token<T, CPL, TG, NCHUNK>(k_cache, v_cache, bt, block_size, row_stride, head_off,
+                                     t + GROUPS, end, gl, knext, vnext);
+      float s[QPB];
+      token_scores<T, QPB, CPL, TG>(qr, kcur, s);
+      if (t < end) {
 #pragma unroll
-    for (int g = 0; g < QPB; ++g) {
-      float d = 0.0f;
+        for (int g = 0; g < QPB; ++g) {
+          const float m_new = fmaxf(m[g], s[g]);
+          const float alpha = exp2f(m[g] - m_new);  // 0 on the first token (m = -inf)
+          const float p = exp2f(s[g] - m_new);
+          l[g] = l[g] * alpha + p;
+          m[g] = m_new;
 #pragma unroll
-      for (int c = 0; c < CPL; ++c)
+          for (int c = 0; c < CPL; ++c)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) d += qr[g][c][i] * to_float(kcur[c].v[i]);
+            for (int i = 0; i < VEC; ++i)
+              acc[g][c][i] = acc[g][c][i] * alpha + p * to_float(vcur[c].v[i]);
+        }
+      }
 #pragma unroll
-      for (int off = TG / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-      s[g] = d;
+      for (int c = 0; c < CPL; ++c) {
+        kcur[c] = knext[c];
+        vcur[c] = vnext[c];
+      }
     }
-    if (t < end) {
+  } else {
+    // The loop bound is uniform over the block so every lane reaches the shuffles.
+    for (int tb = start; tb < end; tb += GROUPS * U) {
+      int block[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = tb + u * GROUPS + group;
+        block[u] = t < end ? bt[t / block_size] : 0;
+      }
+      Pack<T> kp[U][CPL], vp[U][CPL];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = tb + u * GROUPS + group;
+        const i64 base = ((i64)block[u] * block_size + t % block_size) * row_stride + head_off;
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const int chunk = gl + c * TG;
+          if (t < end && chunk < NCHUNK) {
+            kp[u][c] = load_pack(k_cache + base + chunk * VEC);
+            vp[u][c] = load_pack(v_cache + base + chunk * VEC);
+          } else {
+            kp[u][c] = zero_pack<T>();
+            vp[u][c] = zero_pack<T>();
+          }
+        }
+      }
+      float s[U][QPB];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        token_scores<T, QPB, CPL, TG>(qr, kp[u], s[u]);
+        if (tb + u * GROUPS + group >= end)
+#pragma unroll
+          for (int g = 0; g < QPB; ++g) s[u][g] = TANDEM_NEG_INF;
+      }
 #pragma unroll
       for (int g = 0; g < QPB; ++g) {
-        const float m_new = fmaxf(m[g], s[g]);
-        const float alpha = exp2f(m[g] - m_new);  // 0 on the first token (m = -inf)
-        const float p = exp2f(s[g] - m_new);
-        l[g] = l[g] * alpha + p;
+        float m_new = m[g];
+#pragma unroll
+        for (int u = 0; u < U; ++u) m_new = fmaxf(m_new, s[u][g]);
+        if (m_new == TANDEM_NEG_INF) continue;  // no token of this group yet
+        const float alpha = exp2f(m[g] - m_new);  // 0 while m = -inf
+        float p[U];
+        float psum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          p[u] = exp2f(s[u][g] - m_new);  // 0 for a token past the end
+          psum += p[u];
+        }
+        l[g] = l[g] * alpha + psum;
         m[g] = m_new;
 #pragma unroll
         for (int c = 0; c < CPL; ++c)
 #pragma unroll
-          for (int i = 0; i < VEC; ++i)
-            acc[g][c][i] = acc[g][c][i] * alpha + p * to_float(vcur[c].v[i]);
-      }
-    }
+          for (int i = 0; i < VEC; ++i) {
+            float a = acc[g][c][i] * alpha;
 #pragma unroll
-    for (int c = 0; c < CPL; ++c) {
-      kcur[c] = knext[c];
-      vcur[c] = vnext[c];
+            for (int u = 0; u < U; ++u) a += p[u] * to_float(vp[u][c].v[i]);
+            acc[g][c][i] = a;
+          }
+      }
     }
   }
 
@@ -282,26 +364,36 @@ __device__ __forceinline__ void paged_decode_reduce_impl(
   }
 }
 
-// Register budget: 4 blocks per SM (128 registers) up to 4 heads per block, 2 for 8 heads.
+// Register budgets (__launch_bounds__ minimum blocks per SM). U = 0: 4 blocks (128 registers) up
+// to 4 heads per block, 2 for 8 heads. The tiled variant holds U = 4 tokens' K/V per lane: 4
+// heads fit 170 registers (3 blocks per SM, 48 KiB of K/V in flight per SM at head_dim 128 in
+// 16-bit types, where U = 0 keeps 32 KiB at 4 blocks), 8 heads 255 (2 blocks).
 #define DECODE_MIN_BLOCKS(QPB) ((QPB) >= 8 ? 2 : 4)
+#define TILE_TOKENS 4
+#define TILED_MIN_BLOCKS(QPB) ((QPB) >= 8 ? 2 : (QPB) >= 4 ? 3 : 4)
 
-#define DEFINE_DECODE(NAME, T, QPB)                                                           \
-  extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_BLOCKS(QPB))      \
+#define DEFINE_DECODE(NAME, T, QPB, U, MIN_BLOCKS)                                             \
+  extern "C" __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS)                  \
       NAME(T* out, float* part_out, float* part_max, float* part_sum, const T* q,           \
            const T* k_cache, const T* v_cache, const int* block_tables, const int* seq_lens, \
            int num_heads, int num_kv_heads, int block_size, int bt_stride, i64 q_stride_tok, \
            int q_stride_head, int max_partitions, float scale_log2) {                       \
-    paged_decode_impl<T, QPB>(out, part_out, part_max, part_sum, q, k_cache, v_cache,      \
-                              block_tables, seq_lens, num_heads, num_kv_heads, block_size,  \
-                              bt_stride, q_stride_tok, q_stride_head, max_partitions,       \
-                              scale_log2);                                                  \
+    paged_decode_impl<T, QPB, U>(out, part_out, part_max, part_sum, q, k_cache, v_cache,    \
+                                 block_tables, seq_lens, num_heads, num_kv_heads,           \
+                                 block_size, bt_stride, q_stride_tok, q_stride_head,        \
+                                 max_partitions, scale_log2);                               \
   }
 
+#define DEFINE_DECODE_HEADS(SUFFIX, T, QPB)                                                   \
+  DEFINE_DECODE(paged_decode_##SUFFIX##_q##QPB, T, QPB, 0, DECODE_MIN_BLOCKS(QPB))          \
+  DEFINE_DECODE(paged_decode_tiled_##SUFFIX##_q##QPB, T, QPB, TILE_TOKENS,                  \
+                TILED_MIN_BLOCKS(QPB))
+
 #define DEFINE_DECODE_DTYPE(SUFFIX, T)                                                        \
-  DEFINE_DECODE(paged_decode_##SUFFIX##_q1, T, 1)                                           \
-  DEFINE_DECODE(paged_decode_##SUFFIX##_q2, T, 2)                                           \
-  DEFINE_DECODE(paged_decode_##SUFFIX##_q4, T, 4)                                           \
-  DEFINE_DECODE(paged_decode_##SUFFIX##_q8, T, 8)                                           \
+  DEFINE_DECODE_HEADS(SUFFIX, T, 1)                                                         \
+  DEFINE_DECODE_HEADS(SUFFIX, T, 2)                                                         \
+  DEFINE_DECODE_HEADS(SUFFIX, T, 4)                                                         \
+  DEFINE_DECODE_HEADS(SUFFIX, T, 8)                                                         \
   extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                              \
       paged_decode_reduce_##SUFFIX(T* out, const float* part_out, const float* part_max,    \
                                    const float* part_sum, const int* seq_lens, int num_heads, \

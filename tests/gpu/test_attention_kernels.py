@@ -5,6 +5,8 @@ slots, the output, the allocator and the split-K workspace are NaN-poisoned, so 
 reads outside a context or leaves an element unwritten fails. Tolerances:
 tests/gpu/helpers.ATTN_TOL.
 
+The decode kernel's tiled variant (``tiled_decode=True``) runs the same decode cases.
+
 Split-K: the decode result does not depend on the partition count (P = 1, 2, 7 and the policy's
 value, contexts crossing partition and block boundaries), and a decode launch captured in a CUDA
 graph and replayed after its inputs changed in place gives the same bits as an eager launch on
@@ -28,7 +30,7 @@ from kernels import cuda_ops, reference  # noqa: E402
 from tests.gpu.helpers import ATTN_TOL, DTYPES, AttentionCase, make_case, poison_allocator  # noqa: E402
 
 
-def _check(case: AttentionCase) -> None:
+def _check(case: AttentionCase, tiled: bool = False) -> None:
     want = reference.paged_attention(
         case.query, case.key_cache, case.value_cache, case.meta, case.scale
     )
@@ -36,8 +38,9 @@ def _check(case: AttentionCase) -> None:
     poison_allocator()
     out = torch.full_like(case.query, float("nan"))
     got = cuda_ops.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.meta, case.scale, out=out
-    )
+        case.query, case.key_cache, case.value_cache, case.meta, case.scale, out=out,
+        tiled_decode=tiled,
+    )  # fmt: skip
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any(), f"{int(got.isnan().sum())} NaN outputs"
@@ -72,9 +75,10 @@ DECODE = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", DECODE, ids=lambda s: f"b{len(s[0])}-h{s[1]}/{s[2]}-d{s[3]}")
-def test_decode_matches_reference(spec: tuple, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled"])
+def test_decode_matches_reference(spec: tuple, dtype: torch.dtype, tiled: bool) -> None:
     seq_lens, h, hkv, d, bs = spec
-    _check(_case([1] * len(seq_lens), seq_lens, h, hkv, d, dtype, block_size=bs))
+    _check(_case([1] * len(seq_lens), seq_lens, h, hkv, d, dtype, block_size=bs), tiled)
 
 
 # (q_lens, seq_lens, num_heads, num_kv_heads, head_dim)
@@ -122,9 +126,12 @@ SPLITS = [
 ]
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", SPLITS, ids=lambda s: f"b{len(s[0])}-h{s[1]}/{s[2]}-d{s[3]}")
-def test_decode_is_the_same_for_every_partition_count(spec: tuple, dtype: torch.dtype) -> None:
+def test_decode_is_the_same_for_every_partition_count(
+    spec: tuple, dtype: torch.dtype, tiled: bool
+) -> None:
     seq_lens, h, hkv, d, bs = spec
     case = _case([1] * len(seq_lens), seq_lens, h, hkv, d, dtype, block_size=bs)
     args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale)
@@ -139,7 +146,9 @@ def test_decode_is_the_same_for_every_partition_count(spec: tuple, dtype: torch.
         for buf in (workspace.part_out, workspace.part_max, workspace.part_sum):
             buf.fill_(float("nan"))
         out = torch.full_like(case.query, float("nan"))
-        cuda_ops.paged_attention(*args, out=out, partitions=p, workspace=workspace)
+        cuda_ops.paged_attention(
+            *args, out=out, partitions=p, workspace=workspace, tiled_decode=tiled
+        )
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"P={p}: {int(out.isnan().sum())} NaN outputs"
         torch.testing.assert_close(out, want, **ATTN_TOL[dtype], msg=lambda m, p=p: f"P={p}: {m}")

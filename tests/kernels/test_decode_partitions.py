@@ -197,6 +197,22 @@ def test_decode_with_partitions_reads_no_host_lengths(
     assert int(reduce.args[6]) == partitions
 
 
+def test_tiled_decode_launches_its_entry_with_the_same_grid_and_args(
+    launches: list[Launch],
+) -> None:
+    case = make_case([1] * 3, [700, 5, 300], 16, 8, 128, torch.bfloat16, device="cpu",
+                     index_dtype=torch.int32)  # fmt: skip
+    ws = cuda_ops.DecodeWorkspace(4, 16, 128, 8, "cpu")
+    args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    cuda_ops.paged_attention(*args, partitions=3, workspace=ws)
+    cuda_ops.paged_attention(*args, partitions=3, workspace=ws, tiled_decode=True)
+    (plain, plain_reduce), (tiled, tiled_reduce) = launches[:2], launches[2:]
+    assert plain.kernel == "paged_decode_bf16_q2" and tiled.kernel == "paged_decode_tiled_bf16_q2"
+    assert tiled.grid == plain.grid and tiled.block == plain.block
+    assert [int(a) for a in tiled.args[4:]] == [int(a) for a in plain.args[4:]]
+    assert tiled_reduce.kernel == plain_reduce.kernel == "paged_decode_reduce_bf16"
+
+
 def test_decode_without_partitions_uses_the_policy(launches: list[Launch]) -> None:
     case = make_case([1, 1], [3000, 20], 32, 8, 128, torch.float16, device="cpu")  # int64
     cuda_ops.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, 1.0)
@@ -210,6 +226,7 @@ def test_decode_without_partitions_uses_the_policy(launches: list[Launch]) -> No
 def test_preload_resolves_every_kernel_a_model_launches(launches: list[Launch]) -> None:
     cuda_ops.preload(torch.bfloat16, 128)
     names = set(cuda_ops._decode_fns(torch.bfloat16, 128).by_qpb.values())
+    names |= set(cuda_ops._decode_fns(torch.bfloat16, 128).tiled_by_qpb.values())
     names.add(cuda_ops._decode_fns(torch.bfloat16, 128).reduce)
     names.add(cuda_ops._prefill_fn(torch.bfloat16, 128))
     names |= {cuda_ops._kv_cache_fn(u) for u in (16, 4, 2)}
@@ -217,6 +234,7 @@ def test_preload_resolves_every_kernel_a_model_launches(launches: list[Launch]) 
     names |= {norm.rms_norm, norm.rotary, norm.qk_norm_rope_kv, cuda_ops._silu_fn(torch.bfloat16)}
     assert names == {
         *(f"paged_decode_bf16_q{q}" for q in (1, 2, 4, 8)),
+        *(f"paged_decode_tiled_bf16_q{q}" for q in (1, 2, 4, 8)),
         "paged_decode_reduce_bf16",
         "paged_prefill_bf16",
         "write_kv_cache_b16",

@@ -62,9 +62,9 @@ def _expected(source: str, defines: variants.Defines) -> set[str]:
         return {f"silu_and_mul_{s}" for s in variants.DTYPES}
     (dtype,) = (t for t in variants.DTYPES if dict(defines).get(f"WITH_{t.upper()}"))
     if source == variants.DECODE:
-        return {f"paged_decode_{dtype}_q{q}" for q in (1, 2, 4, 8)} | {
-            f"paged_decode_reduce_{dtype}"
-        }
+        return {
+            f"paged_decode_{tiled}{dtype}_q{q}" for q in (1, 2, 4, 8) for tiled in ("", "tiled_")
+        } | {f"paged_decode_reduce_{dtype}"}
     if source == variants.PREFILL:
         return {f"paged_prefill_{dtype}"}
     raise AssertionError(f"no expectations for {source}")
