@@ -57,6 +57,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
+from protos.flow_window import FlowWindow
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 MODEL_NAME = "relay-bench"
@@ -114,15 +115,13 @@ class _ClientStream:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     steps: int = 0
     step_times: list[float] = field(default_factory=list)  # kept with --record only
-    # The client's FlowControl: its window (0: none), messages it has read, messages sent.
-    window: int = 0
-    read: int = 0
-    sent: int = 0
+    # The client's FlowControl: the engine's own rule (protos.flow_window).
+    flow: FlowWindow = field(default_factory=FlowWindow)
     held: dict[str, _Request] = field(default_factory=dict)  # requests with held tokens
     held_steps: list[int] = field(default_factory=list)  # each held step's tokens
 
     def window_full(self) -> bool:
-        return self.window > 0 and self.sent - self.read >= self.window
+        return self.flow.full
 
 
 async def _woken_or_closed(s: _ClientStream, reader: asyncio.Task[None]) -> None:
@@ -304,7 +303,7 @@ class StandInEngine:
         load = pb.LoadStats(num_running_requests=len(s.running)).SerializeToString()
         parts.append(_len_field(3, load))
         parts.append(_TIMESTAMP_TAG + struct.pack("<d", time.time()))
-        s.sent += 1
+        s.flow.sent += 1
         self.messages += 1
         if self.progress is not None:
             self.progress.set(MESSAGES, self.messages)
@@ -326,9 +325,7 @@ class StandInEngine:
             elif kind == "abort":
                 self._abort(s, list(message.abort.request_ids))
             elif kind == "flow":
-                if message.flow.window:
-                    s.window = message.flow.window
-                s.read = max(s.read, min(message.flow.messages_read, s.sent))
+                s.flow.flow(message.flow.window, message.flow.messages_read)
                 s.wake.set()
 
     async def stream(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[bytes]:
@@ -340,7 +337,7 @@ class StandInEngine:
         try:
             while True:
                 if reader.done():
-                    s.window = 0  # half-closed: no more progress reports can come
+                    s.flow.drop()  # half-closed: no more progress reports can come
                 if s.held and not s.window_full():
                     yield self._flush(s)
                     continue

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.engine_loop import ClientBatch
+from protos.flow_window import FlowWindow
 
 
 class _Merged:
@@ -112,11 +113,8 @@ class StreamOutbox:
 
     def __init__(self) -> None:
         self._pending: deque[_Merged] = deque()
-        self.window = 0  # 0: no window (send whenever gRPC takes the message)
-        self.sent = 0
-        self.read = 0
+        self.flow_window = FlowWindow()
         self.steps_merged = 0  # batches folded into an earlier one, for tests and metrics
-        self._dropped = False  # drop_window() was called: no window from then on
 
     def add(self, batch: ClientBatch) -> None:
         last = self._pending[-1] if self._pending else None
@@ -126,18 +124,26 @@ class StreamOutbox:
         else:
             self._pending.append(_Merged(batch))
 
+    @property
+    def window(self) -> int:
+        return self.flow_window.window
+
+    @property
+    def sent(self) -> int:
+        return self.flow_window.sent
+
+    @property
+    def read(self) -> int:
+        return self.flow_window.read
+
     def flow(self, window: int, messages_read: int) -> None:
-        """The client's FlowControl: a window of 0 keeps the one set (as does any window once it
-        was dropped); counts only grow, up to the messages sent."""
-        if window and not self._dropped:
-            self.window = window
-        self.read = max(self.read, min(messages_read, self.sent))
+        """The client's FlowControl (``protos.flow_window``)."""
+        self.flow_window.flow(window, messages_read)
 
     def drop_window(self) -> None:
         """The client half-closed (it can report no more progress) or the stream is ending:
         what is held goes out as gRPC takes it, whatever window comes later."""
-        self.window = 0
-        self._dropped = True
+        self.flow_window.drop()
 
     @property
     def empty(self) -> bool:
@@ -145,8 +151,8 @@ class StreamOutbox:
 
     def ready(self) -> bool:
         """Something to send, and room for it in the client's window."""
-        return bool(self._pending) and (self.window == 0 or self.sent - self.read < self.window)
+        return bool(self._pending) and not self.flow_window.full
 
     def take(self) -> ClientBatch:
-        self.sent += 1
+        self.flow_window.sent += 1
         return self._pending.popleft().batch()

@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos.flow_window import FlowWindow
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -479,13 +480,12 @@ class _Servicer(pb_grpc.EngineServicer):
         engine = self.engine
         sink: asyncio.Queue[pb.EngineCoreOutputs] = asyncio.Queue()
         owned: set[str] = set()
-        # The client's window: at most ``window`` messages sent and not reported read (the
-        # messages wait in ``sink`` meanwhile, one per step: this engine does not merge them).
-        window = read_count = sent = 0
+        # The client's window (the engine's own rule, protos.flow_window): the messages wait in
+        # ``sink`` meanwhile, one per step (this engine does not merge them).
+        window = FlowWindow()
         room = asyncio.Event()
 
         async def read() -> None:
-            nonlocal window, read_count
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "add":
@@ -494,8 +494,7 @@ class _Servicer(pb_grpc.EngineServicer):
                         owned.add(rid)
                 elif kind == "flow":
                     engine.flow.append((message.flow.window, message.flow.messages_read))
-                    window = message.flow.window or window
-                    read_count = max(read_count, min(message.flow.messages_read, sent))
+                    window.flow(message.flow.window, message.flow.messages_read)
                     room.set()
                 elif kind == "abort":
                     engine.abort_requests.extend(message.abort.request_ids)
@@ -505,7 +504,7 @@ class _Servicer(pb_grpc.EngineServicer):
         get: asyncio.Future[pb.EngineCoreOutputs] | None = None
         try:
             while True:
-                if window and sent - read_count >= window and not reader.done():
+                if window.full and not reader.done():
                     room.clear()
                     wait = asyncio.ensure_future(room.wait())
                     await asyncio.wait({wait, reader}, return_when=asyncio.FIRST_COMPLETED)
@@ -514,7 +513,7 @@ class _Servicer(pb_grpc.EngineServicer):
                 get = asyncio.ensure_future(sink.get())
                 await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if get.done():
-                    sent += 1
+                    window.sent += 1
                     yield get.result()
                     continue
                 break  # the client half-closed: closing the stream aborts what it carried

@@ -36,3 +36,25 @@ def test_only_the_engine_client_and_its_messages_import_the_stubs() -> None:
         if "protos.tandem" in p.read_text() or "engine_pb2" in p.read_text()
     )
     assert importers == ["frontend_svc/engine_client.py", "frontend_svc/engine_messages.py"]
+
+
+def test_the_contract_package_imports_no_torch_and_neither_service() -> None:
+    """protos/ is what both services share: importing every module of it pulls in no torch and
+    no code of either service."""
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (ROOT / "protos").rglob("*.py")
+        if p.name != "__init__.py"
+    )
+    assert "protos.flow_window" in modules
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy', 'frontend_svc', 'engine_svc'))\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
