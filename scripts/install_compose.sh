@@ -14,6 +14,8 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
   SUDO="sudo"
 fi
+echo "install_compose.sh: docker-compose not found; installing Debian's with ${SUDO:+sudo }apt-get" \
+  "(the compose tests run \`docker-compose config\` on docker-compose*.yml)" >&2
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
