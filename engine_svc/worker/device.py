@@ -24,7 +24,8 @@ def resolve_dtype(
 
         checkpoint     CUDA       CPU (any other device)
         bfloat16       bfloat16   bfloat16
-        float16        float16    bfloat16  (CPU fp16 matmuls: 10-16x slower than bf16)
+        float16        float16    bfloat16  (CPU: no fp16 decode kernel; ~1.3x slower end to
+                                            end, benchmarks/results/cpu_dtype.md)
         float32        bfloat16   float32   (GPU: downcast, like vLLM)
         none           bfloat16   float32
     """
