@@ -5,25 +5,99 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
+from typing import NoReturn
 
 from engine_svc import envs
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from engine_svc.core.scheduler import SchedulerConfig
 from engine_svc.lora.config import LoRAConfig, parse_lora_modules
 from engine_svc.lora.errors import LoRAError
+from engine_svc.model_source import (
+    TRUST_REMOTE_CODE_REFUSAL,
+    ModelSourceError,
+    read_chat_template,
+    resolve_model,
+    resolve_tokenizer,
+)
 from protos.grpc_runtime import prefer_polling_io
 
 VERSION = "0.1.0"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every engine flag, each with its help (vLLM's spellings accepted beside ours)."""
     p = argparse.ArgumentParser(prog="python -m engine_svc", description="Tandem engine service")
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded tiny model)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model = p.add_argument_group("model and tokenizer")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face checkpoint directory (config.json + *.safetensors), or a "
+        "Hugging Face Hub repo id such as Qwen/Qwen3-0.6B, taken from the Hugging Face cache or "
+        "downloaded into it (HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE apply); an existing "
+        "directory always wins (default: the embedded tiny model, random weights)",
+    )
+    model.add_argument(
+        "--revision",
+        default=None,
+        help="the branch, tag or commit of a Hub --model (default: main)",
+    )
+    model.add_argument(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="the Hugging Face cache directory Hub models are looked up in and downloaded into "
+        "(default: HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
+    )
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="load the tokenizer (and chat template) from this directory or Hub repo id instead "
+        "of --model's; the engine serves it to the gateways",
+    )
+    model.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        help="the branch, tag or commit of a Hub --tokenizer (default: main)",
+    )
+    model.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template file, or the template itself, served to the gateways in "
+        "place of the model's",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="refused: Tandem runs its own model code (Llama, Qwen2, Qwen3 families) and never "
+        "executes a checkpoint's code",
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use and /v1/models shows (default: the --model repo id, "
+        "or the checkpoint directory's name)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and activation dtype; auto follows the checkpoint's config.json as vLLM "
+        "does (float32 checkpoints run in bfloat16 on a GPU)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (auto: CUDA when available, else the CPU)",
+    )
     p.add_argument(
         "--attention-backend",
         default="auto",
@@ -54,18 +128,97 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the largest decode batch captured as a CUDA graph (same as one --cuda-graph-sizes "
         "value); larger decode steps run eagerly",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count")
-    p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue limit")
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the checkpoint's "
+        "max_position_embeddings, shortened to what the KV cache holds)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="requests running at once (default 64)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="the token budget of one engine step; longer prompts are prefilled in chunks "
+        "(default 2048)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV cache block, a power of two (default 16)",
+    )
+    # vLLM spells it --no-enable-prefix-caching (and --enable-prefix-caching, the default).
+    p.add_argument(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_true",
+        default=False,
+        help="never reuse the KV blocks of a prompt prefix seen before",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_false",
+        default=False,
+        help="reuse the KV blocks of prompt prefixes seen before (the default)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
+        dest="kv_cache_memory",
+        default=None,
+        metavar="SIZE",
+        help="KV cache budget: bytes or a size such as 512MiB or 4GiB (vLLM's "
+        "--kv-cache-memory-bytes); overrides --gpu-memory-utilization",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory the engine may fill, weights and KV cache together "
+        "(default 0.9); on the CPU the KV cache gets a fixed budget unless --kv-cache-memory",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        "--num-gpu-blocks-override",
+        dest="num_kv_blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="exact KV block count, overriding the memory budget (vLLM's "
+        "--num-gpu-blocks-override)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="waiting-queue limit: requests beyond it are refused with RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs (and prompt logprobs) a request may ask for (default 20)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: in arrival order; priority: by each request's priority (lower first), "
+        "then arrival",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests may take to finish after SIGTERM before they are "
+        "aborted (default 30)",
+    )
     p.add_argument(
         "--stall-timeout",
         type=float,
@@ -73,7 +226,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds the engine loop may go without finishing a step before health turns "
         "NOT_SERVING and new requests are refused (until it makes progress again)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the engine's random seed, for requests without their own (default 0)",
+    )
     p.add_argument(
         "--pooling-type",
         default=None,
@@ -118,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="extra plaintext port serving only grpc.health.v1 (for probes that cannot do TLS)",
     )
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,12 +285,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from engine_svc.rpc.tls import TlsConfig
 
+    if args.trust_remote_code:
+        usage_error(TRUST_REMOTE_CODE_REFUSAL)
     try:
         tls = TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         lora_config = _lora_config(args)
         _cuda_graph_sizes(args)
+        kv_cache_memory = _kv_cache_memory(args)
+        chat_template = (
+            None if args.chat_template is None else read_chat_template(args.chat_template)
+        )
     except ValueError as e:
-        raise SystemExit(f"python -m engine_svc: error: {e}") from None
+        usage_error(str(e))
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -142,19 +306,14 @@ def main(argv: list[str] | None = None) -> None:
     from engine_svc.rpc.server import PortUnavailable, ServerConfig, serve
 
     def build() -> EngineCore:
-        """Runs on the engine loop thread, so that all torch work happens on one thread."""
-        model = args.model
-        if model is None:
-            from engine_svc.default_model import NAME, ensure_default_model
-
-            model = str(ensure_default_model())
-            served = args.served_model_name or NAME
-            logging.getLogger("engine_svc").warning(
-                "no --model given: serving the embedded default model "
-                "(random weights, gibberish text)"
-            )
-        else:
-            served = args.served_model_name
+        """Runs on the engine loop thread, so that all torch work happens on one thread (and
+        after serve() has checked the port, so a taken port is known before any download)."""
+        model, served = _model_dir(args)
+        tokenizer = None
+        if args.tokenizer is not None:
+            tokenizer = resolve_tokenizer(
+                args.tokenizer, revision=args.tokenizer_revision, download_dir=args.download_dir
+            ).path
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -164,13 +323,13 @@ def main(argv: list[str] | None = None) -> None:
                 seed=args.seed,
                 max_logprobs=args.max_logprobs,
                 pooling_type=args.pooling_type,
+                tokenizer=None if tokenizer is None else str(tokenizer),
+                chat_template=chat_template,
             ),
             cache=CacheConfig(
                 block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching,
-                kv_cache_memory=None
-                if args.kv_cache_memory is None
-                else parse_size(args.kv_cache_memory),
+                kv_cache_memory=kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 num_kv_blocks=args.num_kv_blocks,
             ),
@@ -202,11 +361,59 @@ def main(argv: list[str] | None = None) -> None:
             freeze_gc_heap=True,
         )
     except ValueError as e:
-        raise SystemExit(f"python -m engine_svc: error: {e}") from None
+        usage_error(str(e))
     try:
         asyncio.run(serve(build, server))
+    except ModelSourceError as e:  # --model / --tokenizer not found: a usage error
+        usage_error(str(e))
     except (PortUnavailable, LoRAError) as e:  # others keep their traceback: a bug, a bad model
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
+
+
+class UsageError(SystemExit):
+    """A bad command line: exit status 2 (as argparse's own errors), after one line on stderr;
+    ``str()`` is that line."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def usage_error(message: str) -> NoReturn:
+    """Print ``python -m engine_svc: error: message`` and exit 2, with no traceback."""
+    line = f"python -m engine_svc: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    raise UsageError(line)
+
+
+def _model_dir(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The checkpoint directory to load and the served model name: --model resolved (a
+    directory, else a Hub repo id from the cache or downloaded; ModelSourceError says why not),
+    or the embedded default model without --model. A Hub model is served under its repo id, as
+    vLLM does, unless --served-model-name says otherwise."""
+    if args.model is None:
+        from engine_svc.default_model import NAME, ensure_default_model
+
+        logging.getLogger("engine_svc").warning(
+            "no --model given: serving the embedded default model (random weights, gibberish text)"
+        )
+        return str(ensure_default_model()), args.served_model_name or NAME
+    source = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir)
+    served = args.served_model_name or source.repo_id  # None: the directory's name
+    return str(source.path), served
+
+
+def _kv_cache_memory(args: argparse.Namespace) -> int | None:
+    """--kv-cache-memory in bytes (None: not given); ValueError names the flag."""
+    if args.kv_cache_memory is None:
+        return None
+    try:
+        return parse_size(args.kv_cache_memory)
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-memory: {e}") from None
 
 
 def _cuda_graph_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:

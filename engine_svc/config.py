@@ -41,6 +41,12 @@ class ModelConfig:
     # How "embed" pools: LAST | MEAN | CLS. None: the checkpoint's sentence-transformers
     # Pooling module, else LAST (models/tasks.py). Given, it overrides the checkpoint.
     pooling_type: str | None = None
+    # The directory of the tokenizer files the engine serves (GetTokenizer) and compiles
+    # structured outputs against (--tokenizer, resolved). None: the model directory's.
+    tokenizer: str | None = None
+    # A Jinja chat template served in place of the model's (--chat-template, already read from
+    # its file). None: the tokenizer directory's own.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -169,7 +169,9 @@ class EngineCore:
         for name, path in lora.modules if lora else ():  # --lora-modules: a bad one stops here
             self.add_lora(name, self.read_lora(path))
         self.structured = StructuredOutputManager(
-            config.model.model, self.info.vocab_size, self.info.eos_token_ids
+            config.model.tokenizer or config.model.model,
+            self.info.vocab_size,
+            self.info.eos_token_ids,
         )
         self.profiler = EngineProfiler(config.profile_dir, self.runner.device)
 

@@ -26,6 +26,7 @@ from engine_svc.entrypoints.llm_pooling import PoolingMixin
 from engine_svc.gc_heap import freeze_startup_heap
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
+from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL, resolve_model, resolve_tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -104,21 +105,46 @@ class LLM(PoolingMixin):
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         profile_dir: str | Path | None = None,
+        tokenizer: str | Path | None = None,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        download_dir: str | Path | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
+        """``model`` (and ``tokenizer``) is a checkpoint directory or a Hugging Face Hub repo id,
+        resolved as ``python -m engine_svc --model`` resolves it (``engine_svc.model_source``:
+        the Hugging Face cache, ``download_dir``, ``revision``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``);
+        it raises ModelSourceError with a one-line reason."""
+        if trust_remote_code:
+            raise ValueError(
+                TRUST_REMOTE_CODE_REFUSAL.replace("--trust-remote-code", "trust_remote_code")
+            )
+        repo_id = None
         if model is None:
             from engine_svc.default_model import ensure_default_model
 
             model = ensure_default_model()
+        else:
+            source = resolve_model(model, revision=revision, download_dir=download_dir)
+            model, repo_id = source.path, source.repo_id
         self.model_dir = str(model)
+        tokenizer_dir = self.model_dir
+        if tokenizer is not None:
+            tokenizer_dir = str(
+                resolve_tokenizer(
+                    tokenizer, revision=tokenizer_revision, download_dir=download_dir
+                ).path
+            )
         config = EngineConfig(
             model=ModelConfig(
                 model=self.model_dir,
                 dtype=dtype,
                 max_model_len=max_model_len,
-                served_model_name=served_model_name,
+                served_model_name=served_model_name or repo_id,
                 seed=seed,
                 max_logprobs=max_logprobs,
                 pooling_type=pooling_type,
+                tokenizer=None if tokenizer is None else tokenizer_dir,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -144,7 +170,7 @@ class LLM(PoolingMixin):
         )
         self.engine = EngineCore(config)
         self._lora_requests: dict[int, LoRARequest] = {}  # lora_int_id -> the first request
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         self._ids = itertools.count()
         # As the server does: what start-up built stays out of the collector's way, so no full
         # collection pauses generation (gc_heap). An LLM dropped later is still freed (by

@@ -104,7 +104,10 @@ async def _serve_built(
     started: asyncio.Event | None,
     stop: asyncio.Event | None,
 ) -> None:
-    servicer = EngineServicer(loop, core.info, core.config.model.model, config.version)
+    model = core.config.model
+    servicer = EngineServicer(
+        loop, core.info, model.model, config.version, model.tokenizer, model.chat_template
+    )
     health_service = health.HealthService(("", SERVICE_NAME))
     server = grpc.aio.server(options=SERVER_OPTIONS)
     handlers.add_service(servicer, SERVICE, server)

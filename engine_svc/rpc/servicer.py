@@ -53,6 +53,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "added_tokens.json",
 )
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 _CHUNK = 1 << 20
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)  # what a pooling request carries (unused)
 _client_ids = itertools.count()
@@ -100,10 +101,22 @@ _StreamItem = ClientBatch | _Close | _Wake | None
 
 
 class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
-    def __init__(self, loop: EngineLoop, info: ModelInfo, model_dir: str, version: str) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        info: ModelInfo,
+        model_dir: str,
+        version: str,
+        tokenizer_dir: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        """``tokenizer_dir`` (default: ``model_dir``) holds the tokenizer files GetTokenizer
+        serves; ``chat_template``, when given, is served in place of that directory's."""
         self.loop = loop
         self.info = info
         self.model_dir = Path(model_dir)
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else self.model_dir
+        self.chat_template = chat_template
         self.version = version
         # Inboxes of the open Stream and Generate calls, to end them at shutdown.
         self._open_calls: OpenCalls[asyncio.Queue[Any]] = OpenCalls()
@@ -299,23 +312,34 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
     async def GetTokenizer(  # noqa: N802
         self, request: pb.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GetTokenizerResponse]:
-        files = [self.model_dir / n for n in TOKENIZER_FILES if (self.model_dir / n).is_file()]
-        if not files:
+        names = [n for n in TOKENIZER_FILES if self._tokenizer_file(n).is_file()]
+        if not names:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, "the served model has no tokenizer files"
             )
-        chat_template = _chat_template(self.model_dir)
+        chat_template = self.chat_template
+        if chat_template is None:
+            chat_template = _chat_template(self.tokenizer_dir)
+        else:  # --chat-template: it replaces the template files too, for clients that read them
+            names = [n for n in names if n not in _TEMPLATE_FILES] + ["chat_template.jinja"]
         first = True
-        for path in files:
-            data = path.read_bytes()
+        for name in names:
+            if name == "chat_template.jinja" and self.chat_template is not None:
+                data = self.chat_template.encode("utf-8")
+            else:
+                data = self._tokenizer_file(name).read_bytes()
             for start in range(0, max(len(data), 1), _CHUNK):
-                msg = pb.GetTokenizerResponse(
-                    file_name=path.name, data=data[start : start + _CHUNK]
-                )
+                msg = pb.GetTokenizerResponse(file_name=name, data=data[start : start + _CHUNK])
                 if first:
                     msg.chat_template = chat_template
                     first = False
                 yield msg
+
+    def _tokenizer_file(self, name: str) -> Path:
+        """Where GetTokenizer reads ``name``: the tokenizer directory, except the model's own
+        generation_config.json."""
+        home = self.model_dir if name == "generation_config.json" else self.tokenizer_dir
+        return home / name
 
 
 def _status_code(e: Exception) -> grpc.StatusCode:

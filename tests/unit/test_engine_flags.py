@@ -1,0 +1,99 @@
+"""The engine's command line as vLLM users type it: vLLM's spellings beside ours, help on every
+flag, ``--trust-remote-code`` refused in one line, bad flags exit 2 in one line (as argparse's own
+errors do), and a Hub ``--model`` served under its repo id."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants
+
+from engine_svc.__main__ import UsageError, _model_dir, build_parser, main, parse_args
+from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL
+from tests.hub_cache import add_to_hub_cache
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_engine_flag_has_help() -> None:
+    missing = [
+        "/".join(action.option_strings) or action.dest
+        for action in build_parser()._actions
+        if not (action.help or "").strip()
+    ]
+    assert not missing, f"engine flags without help: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "dest", "value"),
+    [
+        (["--no-enable-prefix-caching"], "no_prefix_caching", True),
+        (["--no-prefix-caching"], "no_prefix_caching", True),
+        (["--no-prefix-caching", "--enable-prefix-caching"], "no_prefix_caching", False),
+        ([], "no_prefix_caching", False),
+        (["--kv-cache-memory-bytes", "4GiB"], "kv_cache_memory", "4GiB"),
+        (["--kv-cache-memory", "512MiB"], "kv_cache_memory", "512MiB"),
+        (["--num-gpu-blocks-override", "128"], "num_kv_blocks", 128),
+        (["--num-kv-blocks", "64"], "num_kv_blocks", 64),
+        (["--trust-remote-code"], "trust_remote_code", True),
+        (["--model", "Qwen/Qwen3-0.6B", "--revision", "v2"], "revision", "v2"),
+        (["--download-dir", "/data/hf"], "download_dir", "/data/hf"),
+        (["--tokenizer", "Qwen/Qwen3-8B"], "tokenizer", "Qwen/Qwen3-8B"),
+        (["--tokenizer-revision", "abc"], "tokenizer_revision", "abc"),
+        (["--chat-template", "t.jinja"], "chat_template", "t.jinja"),
+    ],
+)
+def test_vllm_spellings_and_ours(argv: list[str], dest: str, value: object) -> None:
+    assert getattr(parse_args(argv), dest) == value
+
+
+def test_trust_remote_code_is_refused_in_one_line() -> None:
+    with pytest.raises(UsageError) as info:
+        main(["--trust-remote-code"])
+    assert info.value.code == 2
+    assert str(info.value) == f"python -m engine_svc: error: {TRUST_REMOTE_CODE_REFUSAL}"
+    assert "Llama, Qwen2 and Qwen3" in TRUST_REMOTE_CODE_REFUSAL
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory: cannot parse memory size"),
+        (["--chat-template", "no/such/template.jinja"], "--chat-template 'no/such/template"),
+        (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert str(info.value).startswith(f"python -m engine_svc: error: {message}")
+
+
+def test_the_process_prints_one_line_and_exits_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "engine_svc", "--trust-remote-code"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"python -m engine_svc: error: {TRUST_REMOTE_CODE_REFUSAL}\n"
+
+
+def test_a_hub_model_is_served_under_its_repo_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files: dict[str, bytes | str] = {"config.json": "{}", "model.safetensors": b"w"}
+    snapshot = add_to_hub_cache(tmp_path / "hub", "tandem-test/tiny", files)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub = ["--model", "tandem-test/tiny", "--download-dir", str(tmp_path / "hub")]
+    assert _model_dir(parse_args(hub)) == (str(snapshot), "tandem-test/tiny")
+    named = parse_args([*hub, "--served-model-name", "mine"])
+    assert _model_dir(named) == (str(snapshot), "mine")
+    # A directory is served under its name, as before (EngineCore: the directory's name).
+    assert _model_dir(parse_args(["--model", str(snapshot)])) == (str(snapshot), None)
