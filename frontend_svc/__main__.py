@@ -16,12 +16,22 @@ def main(argv: list[str] | None = None) -> None:
 
     from frontend_svc.app import build_app
     from frontend_svc.config import config_from_args
-    from frontend_svc.workers import configure_logging, serve_workers, server_options
+    from frontend_svc.workers import (
+        configure_logging,
+        serve_problem,
+        serve_workers,
+        server_options,
+    )
 
     config = config_from_args(argv)
     configure_logging(config.log_level)
+    logger = logging.getLogger("frontend_svc")
     if too_late:
-        logging.getLogger("frontend_svc").warning(too_late)
+        logger.warning(too_late)
+    problem = serve_problem(config)
+    if problem is not None:
+        logger.error("%s", problem)
+        sys.exit(1)
     if config.workers > 1:
         serve_workers(config)
     else:

@@ -18,6 +18,7 @@ from frontend_svc.engine_types import EngineCallError, EngineRequestError, Engin
 from frontend_svc.errors import ApiError, from_engine_error, from_http_status, unauthorized
 from frontend_svc.gateway_state import GatewayState
 from frontend_svc.limits import RequestLimitsMiddleware
+from frontend_svc.openapi import PUBLIC_PATHS
 from frontend_svc.prompt_encoder import PromptEncoder
 from frontend_svc.routes import (
     adapters,
@@ -31,10 +32,6 @@ from frontend_svc.routes import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Probes, scrapes, and the API document itself (it says how to authenticate; vLLM serves it
-# without a key too).
-PUBLIC_PATHS = frozenset({"/health", "/live", "/metrics", "/openapi.json"})
 
 
 class ApiKeyMiddleware:
@@ -107,6 +104,7 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         Route("/version", system.version, methods=["GET"]),
         Route("/metrics", system.metrics, methods=["GET"]),
         Route("/openapi.json", system.openapi, methods=["GET"]),
+        Route("/docs", system.docs, methods=["GET"]),
     ]
     # Off by default, as in vLLM (they change what every client gets): a disabled path is a 404.
     if config.enable_runtime_lora_updating:

@@ -21,6 +21,7 @@ ENV_PREFIX = "TANDEM_"
 WORKER_CONFIG_ENV = ENV_PREFIX + "WORKER_CONFIG"  # not a flag: the config, supervisor -> workers
 # prometheus_client's own name; it reads it too, when first imported, to keep figures in files.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's choices
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,31 @@ class TlsClientConfig:
     @property
     def enabled(self) -> bool:
         return self.ca is not None
+
+
+@dataclass(frozen=True)
+class HttpsConfig:
+    """PEM paths for serving HTTPS instead of HTTP (vLLM's ``--ssl-*`` flags, uvicorn's
+    ``ssl_*`` options); without a certificate the gateway serves plain HTTP."""
+
+    keyfile: str | None = None
+    certfile: str | None = None  # may hold the key too, as with uvicorn
+    ca_certs: str | None = None  # the CA that client certificates are checked against
+    cert_reqs: int = 0  # ssl.CERT_NONE; 1: a client certificate is optional, 2: required
+
+    def __post_init__(self) -> None:
+        if self.certfile is None and (self.keyfile or self.ca_certs or self.cert_reqs):
+            raise ValueError(
+                "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"
+            )
+        if self.cert_reqs not in (0, 1, 2):
+            raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+        if self.cert_reqs and self.ca_certs is None:
+            raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs (the CA of the clients)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
 
 
 @dataclass(frozen=True)
@@ -108,6 +134,8 @@ class FrontendConfig:
     retry_after_s: int = 1  # Retry-After sent with 429 responses
     engine_rpc_timeout_s: float = 10.0  # for the unary rpcs made while connecting
     log_level: str = "info"
+    uvicorn_log_level: str | None = None  # None: log_level
+    https: HttpsConfig = HttpsConfig()
     tls: TlsClientConfig = TlsClientConfig()
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -142,6 +170,11 @@ class FrontendConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.uvicorn_log_level not in (None, *UVICORN_LOG_LEVELS):
+            raise ValueError(
+                f"--uvicorn-log-level {self.uvicorn_log_level!r} is not one of "
+                f"{', '.join(UVICORN_LOG_LEVELS)}"
+            )
 
 
 def _env(environ: Mapping[str, str], name: str, default: str | None) -> str | None:
@@ -168,18 +201,21 @@ def _option(
     env: Mapping[str, str],
     flag: str,
     default: object,
-    help: str | None = None,
+    help: str,
+    aliases: Sequence[str] = (),
     **kwargs: Any,
 ) -> None:
-    """``flag``, defaulting to ``TANDEM_<FLAG>`` when that is set, else to ``default``. The
-    variable's text goes through the flag's ``type`` as if given on the command line (so a
-    bad value is a usage error naming the flag)."""
+    """``flag`` (also spelled as each of ``aliases``: vLLM's names), defaulting to
+    ``TANDEM_<FLAG>`` when that is set, else to ``default``. The variable's text goes through
+    the flag's ``type`` as if given on the command line (so a bad value is a usage error naming
+    the flag)."""
     name = _env_name(flag)
-    where = f"env {ENV_PREFIX}{name}"
     p.add_argument(
         flag,
+        *aliases,
+        dest=name.lower(),
         default=_env(env, name, None) or default,
-        help=f"{help} ({where})" if help else where,
+        help=f"{help} (env {ENV_PREFIX}{name})",
         **kwargs,
     )
 
@@ -212,8 +248,29 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "engine gRPC address HOST:PORT, several separated by commas, or dns:///NAME:PORT "
         "(every address NAME resolves to, looked up again periodically)",
     )
-    _option(p, env, "--host", d.host)
-    _option(p, env, "--port", d.port, type=int)
+    _option(p, env, "--host", d.host, "address the HTTP API listens on (0.0.0.0: every one)")
+    _option(p, env, "--port", d.port, "port the HTTP API listens on", type=int)
+    _option(
+        p,
+        env,
+        "--ssl-certfile",
+        None,
+        "serve HTTPS with this PEM certificate (chain); it may hold the key too",
+    )
+    _option(p, env, "--ssl-keyfile", None, "PEM private key of --ssl-certfile")
+    _option(
+        p, env, "--ssl-ca-certs", None, "PEM CA that HTTPS client certificates are checked against"
+    )
+    _option(
+        p,
+        env,
+        "--ssl-cert-reqs",
+        d.https.cert_reqs,
+        "whether HTTPS clients must present a certificate signed by --ssl-ca-certs: 0 no, "
+        "1 optional, 2 required (Python's ssl.CERT_*)",
+        type=int,
+        choices=(0, 1, 2),
+    )
     _option(p, env, "--api-key", None, "require 'Authorization: Bearer KEY'")
     _option(
         p, env, "--served-model-name", None, "model name exposed by the API; default: the engine's"
@@ -260,9 +317,15 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "many more requests",
         type=int,
     )
-    _option(p, env, "--tls-ca", None, "PEM CA of the engines")
-    _option(p, env, "--tls-cert", None, "PEM client certificate (mTLS)")
-    _option(p, env, "--tls-key", None, "PEM client key (mTLS)")
+    _option(
+        p,
+        env,
+        "--tls-ca",
+        None,
+        "PEM CA of the engines: TLS on the gRPC link to them (HTTPS for clients: --ssl-*)",
+    )
+    _option(p, env, "--tls-cert", None, "PEM client certificate for mTLS to the engines")
+    _option(p, env, "--tls-key", None, "PEM key of --tls-cert")
     _option(
         p,
         env,
@@ -300,7 +363,8 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "--workers",
         d.workers,
         "gateway processes serving the one port, each with its own engine streams; with "
-        "more than one, a supervisor restarts any that dies",
+        "more than one, a supervisor restarts any that dies (vLLM: --api-server-count)",
+        aliases=("--api-server-count", "-asc"),
         type=int,
     )
     _option(
@@ -356,7 +420,22 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "serve /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile and "
         "/stop_profile (on every engine; use with --api-key)",
     )
-    _option(p, env, "--log-level", d.log_level)
+    _option(
+        p,
+        env,
+        "--log-level",
+        d.log_level,
+        "level of the gateway's logs: debug, info, warning, error (uvicorn's too unless "
+        "--uvicorn-log-level)",
+    )
+    _option(
+        p,
+        env,
+        "--uvicorn-log-level",
+        None,
+        "level of uvicorn's own logs (server start, access log); default: --log-level",
+        choices=UVICORN_LOG_LEVELS,
+    )
     return p
 
 
@@ -369,6 +448,12 @@ def config_from_args(
     initial = min(BackoffConfig().initial_s, args.reconnect_max_s)
     try:
         tls = TlsClientConfig(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        https = HttpsConfig(
+            args.ssl_keyfile or None,
+            args.ssl_certfile or None,
+            args.ssl_ca_certs or None,
+            args.ssl_cert_reqs,
+        )
         routing = RoutingConfig(
             args.engine_resolve_interval,
             args.prefix_affinity_min_tokens,
@@ -384,6 +469,8 @@ def config_from_args(
             backoff=BackoffConfig(initial_s=initial, max_s=args.reconnect_max_s),
             retry_after_s=args.retry_after_s,
             log_level=args.log_level,
+            uvicorn_log_level=args.uvicorn_log_level or None,
+            https=https,
             tls=tls,
             routing=routing,
             limits=limits,
@@ -412,6 +499,7 @@ def config_from_json(text: str) -> FrontendConfig:
         **{
             **fields,
             "backoff": BackoffConfig(**fields["backoff"]),
+            "https": HttpsConfig(**fields["https"]),
             "tls": TlsClientConfig(**fields["tls"]),
             "routing": RoutingConfig(**fields["routing"]),
             "limits": LimitsConfig(**fields["limits"]),

@@ -12,7 +12,9 @@ of queueing them. A consumer that goes away (its generator is closed) makes the 
 abort. A pooling request (``pooling_params``) is answered by one final output whose ``pooled``
 holds its vector. When the stream breaks, every in-flight request gets an
 :class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
-fetching model info and the tokenizer again before it reports itself connected.
+fetching model info and the tokenizer again before it reports itself connected. The attempts
+keep that pace however long the engine is away; their log lines do not
+(:mod:`frontend_svc.reconnect_log`).
 
 Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
 drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
@@ -63,6 +65,7 @@ from frontend_svc.engine_types import (
     TokenizerFiles,
 )
 from frontend_svc.output_collector import OutputCollector
+from frontend_svc.reconnect_log import ReconnectLog
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -147,6 +150,7 @@ class EngineClient:
         self._closing = False
         self.model_info: ModelInfo | None = None
         self.last_error: str | None = None
+        self._log = ReconnectLog(address, logger)  # failed attempts, logged sparingly
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -313,6 +317,7 @@ class EngineClient:
         delay = self._backoff.initial_s
         while not self._closing:
             was_connected = False
+            unexpected: Exception | None = None
             try:
                 was_connected = await self._serve_connection()
             except asyncio.CancelledError:
@@ -320,15 +325,16 @@ class EngineClient:
             except grpc.aio.AioRpcError as e:
                 self.last_error = f"{e.code().name}: {e.details()}"
             except Exception as e:  # a bad tokenizer, a callback failure ...
-                logger.exception("engine connection failed")
+                unexpected = e
                 self.last_error = repr(e)
             if self._closing:
                 break
+            error = self.last_error or "connection lost"
             if was_connected:
                 delay = self._backoff.initial_s
-                logger.warning("engine stream to %s broke: %s", self.address, self.last_error)
+                self._log.broke(error)
             else:
-                logger.info("engine %s unavailable (%s)", self.address, self.last_error)
+                self._log.failed(error, unexpected)
             await asyncio.sleep(delay)
             delay = min(delay * self._backoff.multiplier, self._backoff.max_s)
 
@@ -376,7 +382,7 @@ class EngineClient:
             self._connected.set()
             self.last_error = None
             connected = True
-            logger.info("connected to engine %s (%s)", self.address, info.served_model_name)
+            self._log.connected(info.served_model_name)
             watcher = asyncio.create_task(health.follow(), name="engine-health")
             # Progress is reported each time a whole window has been read, which gives the
             # engine a window's room at once: one report per W messages. (Reporting every W/2

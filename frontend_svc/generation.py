@@ -2,7 +2,9 @@
 or one pooling request per input, collected in order.
 
 Each sequence is one engine request. Their deltas are merged in arrival order; closing the merged
-stream cancels every sequence, which closes its engine generator and so aborts it on the engine.
+stream cancels every sequence, which closes its engine generator and so aborts it on the engine
+(and counts it in ``vllm:request_success{finished_reason="abort"}``, as vLLM counts a request
+whose client left).
 A call with one sequence streams it directly, with no merge task or queue. Pooling inputs run
 concurrently, a bounded number at a time (``pool``).
 """
@@ -183,13 +185,17 @@ async def _run_sequence(
     engines: EnginePool, request: EngineRequest, processor: OutputProcessor, metrics: Metrics
 ) -> AsyncIterator[SequenceDelta]:
     timer = metrics.sequence(len(request.prompt_token_ids))
-    async with contextlib.aclosing(engines.generate(request)) as outputs:
-        async for out in outputs:
-            delta = processor.process(out)
-            timer.observe(out, delta.finish_reason)
-            yield delta
-            if delta.finish_reason is not None:
-                return  # a stop string ends it early: leaving aborts the engine request
+    try:
+        async with contextlib.aclosing(engines.generate(request)) as outputs:
+            async for out in outputs:
+                delta = processor.process(out)
+                timer.observe(out, delta.finish_reason)
+                yield delta
+                if delta.finish_reason is not None:
+                    return  # a stop string ends it early: leaving aborts the engine request
+    except (GeneratorExit, asyncio.CancelledError):
+        timer.aborted()  # closed before its end (the client left): the engine request aborted
+        raise
 
 
 # At most this many engine requests of one pooling call run at once: a call with 2048 inputs
@@ -243,9 +249,13 @@ async def pool(
 async def _pool_one(engines: EnginePool, metrics: Metrics, request: EngineRequest) -> EngineOutput:
     timer = metrics.sequence(len(request.prompt_token_ids))
     final: EngineOutput | None = None
-    async with contextlib.aclosing(engines.generate(request)) as outputs:
-        async for out in outputs:  # one output: the final one (an abort is raised by the pool)
-            final = out
+    try:
+        async with contextlib.aclosing(engines.generate(request)) as outputs:
+            async for out in outputs:  # one output: the final one (an abort: raised by the pool)
+                final = out
+    except asyncio.CancelledError:
+        timer.aborted()  # the call was cancelled (its client left): the engine request aborted
+        raise
     if final is None or final.finish_reason is None:
         raise EngineUnavailableError("the engine ended the pooling request without a result")
     if final.pooled is None:

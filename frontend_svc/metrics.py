@@ -16,6 +16,9 @@ vLLM has an engine index). Where the figures come from:
 * per-sequence latencies (TTFT, inter-token, end to end) are timed by the gateway; the queue,
   prefill and decode times are the engine's own (RequestOutput.queued_time_s ...), except the
   decode time of a sequence the gateway ended itself (a stop string), timed here;
+* ``request_success`` counts each sequence once, by its finish reason; one the gateway aborted
+  because its client left is an ``abort``, as in vLLM (the engine's later report of that abort
+  goes to no one);
 * ``cache_config_info`` (an info gauge, always 1) carries each engine's cache facts as labels.
 * ``lora_requests_info`` (an engine serving LoRA adapters) names the adapters its running and
   waiting requests use, from its load figures; its value is when it was last set.
@@ -483,6 +486,7 @@ class SequenceTimer:
         "_last_token",
         "_queued",
         "_prefill",
+        "_ended",
     )
 
     def __init__(
@@ -497,6 +501,7 @@ class SequenceTimer:
         self._last_token = self._start
         self._queued: float | None = None  # the engine's phase times, with the first token
         self._prefill = 0.0
+        self._ended = False  # counted as finished (or aborted): never twice
 
     def observe(self, out: EngineOutput, finish_reason: str | None) -> None:
         """One engine output (several merged, when the reader fell behind); ``finish_reason``:
@@ -514,16 +519,28 @@ class SequenceTimer:
             self._last_token = now
             self._num_generated += len(out.new_token_ids)
         if finish_reason is not None:
-            self._finished(out, finish_reason, now)
+            self._finished(finish_reason, now, out.num_prompt_tokens, out.decode_time_s)
 
-    def _finished(self, out: EngineOutput, reason: str, now: float) -> None:
+    def aborted(self) -> None:
+        """The gateway aborted the sequence before it finished (its client went away, or a
+        sibling sequence failed): counted as vLLM counts a request it aborts, with
+        ``finished_reason="abort"`` and the latencies so far. Nothing once it has finished, so
+        a sequence is counted once however it ends."""
+        self._finished(FinishReason.ABORT.value, self._metrics.clock(), 0, None)
+
+    def _finished(
+        self, reason: str, now: float, num_prompt_tokens: int, decode_time_s: float | None
+    ) -> None:
+        if self._ended:
+            return
+        self._ended = True
         metrics, m = self._metrics, self._children.model_name
         child = metrics.child
         child(metrics.request_success, m, reason).inc()
         child(metrics.e2e, m).observe(now - self._start)
         if self._queued is not None:  # the engine reported its phases
-            decode = out.decode_time_s
-            if decode is None:  # ended here (a stop string): timed on the gateway's clock
+            decode = decode_time_s
+            if decode is None:  # ended here (a stop string, an abort): the gateway's clock
                 decode = now - self._first_token if self._first_token is not None else 0.0
             child(metrics.queue_time, m).observe(self._queued)
             child(metrics.prefill_time, m).observe(self._prefill)
@@ -531,7 +548,7 @@ class SequenceTimer:
             child(metrics.inference_time, m).observe(self._prefill + decode)
         if metrics.request_prompt_tokens is not None:
             child(metrics.request_prompt_tokens, m).observe(
-                out.num_prompt_tokens or self._num_prompt_tokens
+                num_prompt_tokens or self._num_prompt_tokens
             )
         if metrics.request_generation_tokens is not None:
             child(metrics.request_generation_tokens, m).observe(self._num_generated)

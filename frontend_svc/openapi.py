@@ -1,4 +1,4 @@
-"""The OpenAPI document served at /openapi.json.
+"""The OpenAPI document served at /openapi.json, and the Swagger UI page over it at /docs.
 
 Request bodies are the JSON schemas of the request models themselves (``frontend_svc.protocol``:
 the ranges and rules the server enforces), their definitions hoisted into
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import html
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +176,50 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("/metrics", "get", "Prometheus metrics", public=True),
     Operation("/version", "get", "Gateway version"),
     Operation("/openapi.json", "get", "This document", public=True),
+    Operation(
+        "/docs",
+        "get",
+        "This document in Swagger UI",
+        ok={"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
+        public=True,
+    ),
 )
+# Served without the API key: probes, scrapes, and the API document (it says how to
+# authenticate; vLLM serves it without a key too).
+PUBLIC_PATHS = frozenset(op.path for op in OPERATIONS if op.public)
+# Swagger UI from jsDelivr, as FastAPI's get_swagger_ui_html serves it (and so vLLM's /docs).
+SWAGGER_UI_DIST = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
+_SWAGGER_UI_PAGE = """<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8">
+<link type="text/css" rel="stylesheet" href="{dist}/swagger-ui.css">
+<title>{title} - Swagger UI</title>
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{dist}/swagger-ui-bundle.js"></script>
+<script>
+const ui = SwaggerUIBundle({{
+  url: {url},
+  dom_id: "#swagger-ui",
+  layout: "BaseLayout",
+  deepLinking: true,
+  showExtensions: true,
+  showCommonExtensions: true,
+  presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset],
+}})
+</script>
+</body>
+</html>
+"""
+TITLE = "Tandem gateway (OpenAI-compatible)"
+
+
+def swagger_ui_page(openapi_url: str) -> str:
+    """The /docs page: Swagger UI (from the CDN) showing the document at ``openapi_url``."""
+    url = json.dumps(openapi_url).replace("<", "\\u003c")  # a JS string, even inside <script>
+    return _SWAGGER_UI_PAGE.format(dist=SWAGGER_UI_DIST, title=html.escape(TITLE), url=url)
 
 
 def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
@@ -201,7 +246,7 @@ def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
         paths.setdefault(op.path, {})[op.method] = spec
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": "Tandem gateway (OpenAI-compatible)", "version": version},
+        "info": {"title": TITLE, "version": version},
         "components": {"schemas": {**definitions, "ErrorResponse": _ERROR_RESPONSE}},
         "paths": paths,
     }

@@ -2,10 +2,14 @@
 
 With N > 1 the parent builds the app once as a check (a bad ``--engine`` or TLS file fails there,
 once, as with one worker, instead of in every worker again and again), then runs ``uvicorn.run``
-with N workers: uvicorn binds the port once (a taken port is one logged error and uvicorn's
-startup-failure exit status, 3, as with one worker) and supervises N spawned worker processes
+with N workers: uvicorn binds the port once and supervises N spawned worker processes
 that accept from that one socket. Each worker builds its own app from the config handed down in
 ``TANDEM_WORKER_CONFIG``: its own engine streams, tokenizer and routing state.
+
+With one worker or several, ``python -m frontend_svc`` first checks that it can listen on its
+port and load its HTTPS files (:func:`serve_problem`): a taken port or a missing certificate is
+one logged line and exit status 1 (uvicorn would log the port after starting the app and exit
+with its startup-failure status 3, and raise a traceback for a bad certificate).
 
 - A worker that dies, or stops answering the supervisor's pings, is replaced by a new one.
 - SIGTERM or SIGINT to the parent: it sends SIGTERM to every worker; each stops accepting, lets
@@ -19,11 +23,14 @@ that accept from that one socket. Each worker builds its own app from the config
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
+import socket
+import ssl
 import sys
 import tempfile
 from typing import Any
@@ -56,13 +63,52 @@ def configure_logging(level: str) -> None:
 
 def server_options(config: FrontendConfig) -> dict[str, Any]:
     """Keyword arguments of ``uvicorn.run`` for this config, with one worker or several."""
+    https = config.https
     return {
         "host": config.host,
         "port": config.port,
-        "log_level": config.log_level.lower(),
+        "log_level": (config.uvicorn_log_level or config.log_level).lower(),
         "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
         **uvicorn_options(config.limits),
+        **(
+            {
+                "ssl_certfile": https.certfile,
+                "ssl_keyfile": https.keyfile,
+                "ssl_ca_certs": https.ca_certs,
+                "ssl_cert_reqs": https.cert_reqs,
+            }
+            if https.enabled
+            else {}
+        ),
     }
+
+
+def serve_problem(config: FrontendConfig) -> str | None:
+    """Why the gateway cannot serve as configured, or None: its HTTPS files do not load, or it
+    cannot listen on its port (in use, an unknown address, no permission: found by binding it
+    as uvicorn will, ``SO_REUSEADDR``, and letting it go)."""
+    https = config.https
+    if https.certfile is not None:
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(https.certfile, https.keyfile)
+            if https.ca_certs is not None:
+                context.load_verify_locations(https.ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            return f"cannot serve HTTPS with --ssl-certfile {https.certfile}: {e}"
+    host, port = config.host, config.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            hint = ": another process listens there (stop it or choose another --port)"
+            why = e.strerror or str(e)
+            return f"cannot serve on {host}:{port}: {why}" + (
+                hint if e.errno == errno.EADDRINUSE else ""
+            )
+    return None
 
 
 def serve_workers(config: FrontendConfig) -> None:

@@ -1,4 +1,5 @@
-"""GET /v1/models, /v1/models/{model}, /health, /live, /version, /metrics and /openapi.json."""
+"""GET /v1/models, /v1/models/{model}, /health, /live, /version, /metrics, /openapi.json and
+/docs."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import time
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from frontend_svc import __version__
 from frontend_svc.errors import engine_unavailable, model_not_found
 from frontend_svc.gateway_state import ADAPTER_REFRESH_S
 from frontend_svc.metrics import CONTENT_TYPE
-from frontend_svc.openapi import openapi_schema
+from frontend_svc.openapi import openapi_schema, swagger_ui_page
 from frontend_svc.routes import adapters, utility
 from frontend_svc.routes.common import gateway
 
@@ -104,3 +105,8 @@ async def openapi(request: Request) -> Response:
     for path in disabled:
         doc["paths"].pop(path, None)
     return JSONResponse(doc)
+
+
+async def docs(request: Request) -> Response:
+    """Swagger UI over /openapi.json (under the proxy's root path, if any), as vLLM serves."""
+    return HTMLResponse(swagger_ui_page(request.scope.get("root_path", "") + "/openapi.json"))

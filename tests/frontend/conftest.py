@@ -42,12 +42,22 @@ def engine(tokenizer_dir: Path, hf_tokenizer: Tokenizer) -> Iterator[FakeEngine]
     e.stop()
 
 
-@pytest.fixture(scope="module")
-def gateway(engine: FakeEngine) -> Iterator[GatewayServer]:
+def _serving(engine: FakeEngine) -> Iterator[GatewayServer]:
     g = GatewayServer(engine.address).start()
     g.wait_healthy()
     yield g
     g.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: FakeEngine) -> Iterator[GatewayServer]:
+    yield from _serving(engine)
+
+
+@pytest.fixture()
+def own_gateway(engine: FakeEngine) -> Iterator[GatewayServer]:
+    """A gateway of its own: its figures count this test's requests only."""
+    yield from _serving(engine)
 
 
 @pytest.fixture()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
-from frontend_svc.config import build_arg_parser, config_from_args
+from frontend_svc.config import FrontendConfig, HttpsConfig, build_arg_parser, config_from_args
+from frontend_svc.workers import server_options
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -102,6 +104,11 @@ def test_response_flags() -> None:
         ("RETURN_TOKENS_AS_TOKEN_IDS", "on", "return_tokens_as_token_ids", True),
         ("ENABLE_FORCE_INCLUDE_USAGE", "true", "enable_force_include_usage", True),
         ("LOG_LEVEL", "debug", "log_level", "debug"),
+        ("UVICORN_LOG_LEVEL", "warning", "uvicorn_log_level", "warning"),
+        ("SSL_CERTFILE", "c.pem", "https.certfile", "c.pem"),
+        ("SSL_KEYFILE", "k.pem", "https.keyfile", "k.pem"),
+        ("SSL_CA_CERTS", "ca.pem", "https.ca_certs", "ca.pem"),
+        ("SSL_CERT_REQS", "2", "https.cert_reqs", 2),
     ],
 )
 def test_every_flag_reads_its_environment_variable(
@@ -110,6 +117,9 @@ def test_every_flag_reads_its_environment_variable(
     environ = {f"TANDEM_{env}": value}
     if env == "ENABLE_AUTO_TOOL_CHOICE":
         environ["TANDEM_TOOL_CALL_PARSER"] = "hermes"
+    if env.startswith("SSL_") and env != "SSL_CERTFILE":  # each needs a certificate
+        environ["TANDEM_SSL_CERTFILE"] = "c.pem"
+        environ["TANDEM_SSL_CA_CERTS"] = environ.get("TANDEM_SSL_CA_CERTS", "ca.pem")
     config: object = config_from_args([], environ)
     for part in field.split("."):
         config = getattr(config, part)
@@ -131,3 +141,89 @@ def test_a_bad_environment_value_is_a_usage_error(
     with pytest.raises(SystemExit):
         config_from_args([], env)
     assert message in capsys.readouterr().err
+
+
+# ---- vLLM's spellings, and help on every flag -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("vllm", "ours"),
+    [
+        (["--api-server-count", "3"], ["--workers", "3"]),
+        (["-asc", "3"], ["--workers", "3"]),
+        (["--uvicorn-log-level", "warning"], []),
+        (
+            ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-ca-certs", "ca.pem"],
+            [],
+        ),
+    ],
+)
+def test_vllm_spellings_parse_to_the_same_config(vllm: list[str], ours: list[str]) -> None:
+    c = config_from_args(vllm, {})
+    if ours:
+        assert c == config_from_args(ours, {})
+    assert c == FrontendConfig(
+        workers=c.workers,
+        uvicorn_log_level=c.uvicorn_log_level,
+        https=c.https,
+    )
+
+
+def test_gateway_flags_reach_uvicorn() -> None:
+    c = config_from_args(
+        [
+            "--api-server-count",
+            "2",
+            "--uvicorn-log-level",
+            "error",
+            "--ssl-certfile",
+            "c.pem",
+            "--ssl-keyfile",
+            "k.pem",
+            "--ssl-ca-certs",
+            "ca.pem",
+            "--ssl-cert-reqs",
+            "2",
+        ],
+        {},
+    )
+    assert (c.workers, c.https) == (2, HttpsConfig("k.pem", "c.pem", "ca.pem", 2))
+    options = server_options(c)
+    assert options["log_level"] == "error"
+    assert (options["ssl_certfile"], options["ssl_keyfile"], options["ssl_ca_certs"]) == (
+        "c.pem",
+        "k.pem",
+        "ca.pem",
+    )
+    assert options["ssl_cert_reqs"] == 2
+    plain = server_options(config_from_args(["--log-level", "DEBUG"], {}))
+    assert plain["log_level"] == "debug"  # uvicorn follows --log-level by default
+    assert not any(k.startswith("ssl_") for k in plain)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ssl-keyfile", "k.pem"], "need --ssl-certfile"),
+        (["--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
+        (["--uvicorn-log-level", "loud"], "invalid choice: 'loud'"),
+    ],
+)
+def test_bad_https_and_log_flags_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        config_from_args(argv, {})
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_every_flag_has_help() -> None:
+    """Each option says what it does, not only which variable sets it."""
+    parser = build_arg_parser({})
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.help and action.help != argparse.SUPPRESS, flag
+        assert action.help.split(" (env TANDEM_")[0].strip(), f"{flag} has no help of its own"

@@ -95,12 +95,8 @@ def fleet(tokenizer_dir: Path, hf_tokenizer: Tokenizer) -> Iterator[Engines]:
 
 
 @pytest.fixture()
-def gateway(engine: FakeEngine) -> Iterator[GatewayServer]:
-    """A gateway of its own: its figures count this test's requests only."""
-    g = GatewayServer(engine.address).start()
-    g.wait_healthy()
-    yield g
-    g.stop()
+def gateway(own_gateway: GatewayServer) -> GatewayServer:
+    return own_gateway
 
 
 def test_every_vllm_metric_after_real_requests(gateway: GatewayServer, engine: FakeEngine) -> None:

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from frontend_svc.config import (
     BackoffConfig,
     FrontendConfig,
+    HttpsConfig,
     LimitsConfig,
     RoutingConfig,
     TlsClientConfig,
@@ -80,6 +81,8 @@ def test_workers_get_the_config_the_supervisor_parsed() -> None:
         retry_after_s=3,
         engine_rpc_timeout_s=2.5,
         log_level="debug",
+        uvicorn_log_level="warning",
+        https=HttpsConfig("key.pem", "cert.pem", "clients.pem", 2),
         tls=TlsClientConfig("ca.pem", "cert.pem", "key.pem", "name"),
         routing=RoutingConfig(1.5, 0, 2),
         limits=LimitsConfig(1, 2, 3),
@@ -370,13 +373,20 @@ def run_gateway(*flags: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_taken_port_is_one_error_and_no_worker() -> None:
+@pytest.mark.parametrize("workers", ["1", "3"])
+def test_a_taken_port_is_one_error_and_no_worker(workers: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        r = run_gateway("--port", str(taken.getsockname()[1]), "--engine", "127.0.0.1:1")
-    assert r.returncode != 0
+        port = taken.getsockname()[1]
+        r = run_gateway("--port", str(port), "--engine", "127.0.0.1:1", "--workers", workers)
+    assert r.returncode == 1
     assert r.stderr.count("Address already in use") == 1, r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr  # one line
+    assert r.stderr.rstrip().endswith(
+        f"ERROR frontend_svc: cannot serve on 127.0.0.1:{port}: Address already in use: another "
+        "process listens there (stop it or choose another --port)"
+    )
     assert "Traceback" not in r.stderr and "Started server process" not in r.stderr
 
 

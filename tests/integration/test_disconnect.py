@@ -46,14 +46,15 @@ def whole_s(gateway: Gateway) -> float:
 
 
 def _assert_aborted(gateway: Gateway, since: float, whole_s: float, before: dict) -> None:
-    """Idle again well before the whole run's time (typically a tenth of it), and no completion
-    counted for the request: the engine stopped it."""
+    """Idle again well before the whole run's time (typically a tenth of it), no completion
+    counted for the request (the engine stopped it), and one abort counted, as vLLM does."""
     assert wait_for(gateway.url, running=0) == IDLE
     gone = time.monotonic() - since
     assert gone < 0.6 * whole_s, (gone, whole_s)
     after = finished(gateway.url)
     assert before.get("length", 0.0) > 0, before  # the counter is read (earlier requests)
     assert after.get("length", 0.0) == before.get("length", 0.0), (before, after)
+    assert after.get("abort", 0.0) == before.get("abort", 0.0) + 1, (before, after)
 
 
 def test_streaming_client_disconnect(gateway: Gateway, whole_s: float) -> None:
