@@ -133,15 +133,14 @@ async def _serve_built(
         bound,
         config.tls.mode if config.tls else "plaintext",
     )
-    print(f"TANDEM_ENGINE_READY {config.host}:{bound}", flush=True)
-    if started is not None:
-        started.set()
-
-    if stop is None:
+    if stop is None:  # before saying ready: a SIGTERM from then on drains (not the default kill)
         stop = asyncio.Event()
         aio_loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio_loop.add_signal_handler(sig, stop.set)
+    print(f"TANDEM_ENGINE_READY {config.host}:{bound}", flush=True)
+    if started is not None:
+        started.set()
     await stop.wait()
 
     logger.info("shutting down: draining for up to %.1fs", config.shutdown_timeout_s)

@@ -4,6 +4,7 @@ messages, reflection v1, a half-closed stream, a stalled or crashed loop, a clea
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from engine_svc.rpc.server import SERVER_OPTIONS, _add_port
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 from tests.integration.grpc_util import StreamSession, add_request, generate, tokens_of
-from tests.integration.harness import Engine, Gateway, child_env
+from tests.integration.harness import Engine, Gateway, Proc, child_env, free_port
 from tests.integration.inprocess import InProcessEngine, start_stallable, tiny_core
 
 pytestmark = pytest.mark.timeout(90)
@@ -314,6 +315,32 @@ def test_sigterm_with_a_gateway_connected_is_clean(cache_dir: Path, log_dir: Pat
         assert "shutting down" in log
     finally:
         gateway.stop()
+        engine.kill()
+
+
+def test_a_stopped_engine_skips_interpreter_finalization(
+    cache_dir: Path, log_dir: Path, tmp_path: Path
+) -> None:
+    """After a clean stop the engine exits without finalizing the interpreter, where triton's
+    nanobind bindings (imported through torch by transformers or xgrammar) print ~30 lines of
+    leak reports; stood in for here by an atexit hook that prints what nanobind would."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('nanobind: leaked 4 instances!', file=sys.stderr))\n"
+    )
+    env = child_env(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    port = free_port()
+    argv = [sys.executable, "-m", "engine_svc", "--port", str(port)]
+    engine = Proc("engine", argv, env, log_dir)
+    try:
+        engine.wait_line(60)
+        engine.signal(signal.SIGTERM)
+        assert engine.wait(30) == 0
+        log = engine.log_tail(50_000)
+        assert "shutting down" in log  # the logs were flushed before the exit
+        assert "nanobind" not in log, log
+    finally:
         engine.kill()
 
 
