@@ -10,10 +10,10 @@ from frontend_svc.config import FrontendConfig
 from frontend_svc.engine_pool import EnginePool
 from frontend_svc.engine_types import ModelInfo, TokenizerFiles
 from frontend_svc.errors import engine_unavailable, model_not_found
-from frontend_svc.gc_heap import freeze_startup_heap
 from frontend_svc.metrics import Metrics
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
+from protos.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class GatewayState:
             self._tokenizer_source = source
             if self._freeze_gc_heap:
                 self._freeze_gc_heap = False  # once: what is built later is not startup heap
-                freeze_startup_heap()
+                freeze_startup_heap(logger)
         await asyncio.to_thread(tokenizer.prepare_truncation, info.max_model_len)
         self.tokenizer, self.model_info = tokenizer, info
         self.metrics.model_name = self.config.served_model_name or info.served_model_name

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend_svc.config import LimitsConfig
 from frontend_svc.errors import body_too_large, headers_too_large
-from frontend_svc.native_memory import trim_heap
+from protos.native_memory import trim_heap
 
 HEAD_HARD_BOUND_FACTOR = 8  # uvicorn drops heads over 8x --max-header-bytes without the app
 TRIM_AFTER_BODY_BYTES = 256 * 2**10  # after a bigger request, hand freed memory back to the OS

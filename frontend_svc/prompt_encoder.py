@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from frontend_svc.chat_template import ChatTemplateError, cut_after_final_message, render_chat
 from frontend_svc.errors import invalid_parameter
-from frontend_svc.native_memory import trim_heap
 from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
+from protos.native_memory import trim_heap
 
 T = TypeVar("T")
 

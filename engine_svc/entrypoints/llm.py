@@ -10,6 +10,7 @@ Pooling models add ``embed``, ``classify`` and ``score`` (``llm_pooling``).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,10 +24,10 @@ from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from engine_svc.core.scheduler import SchedulerConfig
 from engine_svc.entrypoints.llm_pooling import PoolingMixin
-from engine_svc.gc_heap import freeze_startup_heap
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
 from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL, resolve_model, resolve_tokenizer
+from protos.gc_heap import freeze_startup_heap
 
 PromptType = str | dict[str, Any]
 
@@ -173,9 +174,9 @@ class LLM(PoolingMixin):
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self._ids = itertools.count()
         # As the server does: what start-up built stays out of the collector's way, so no full
-        # collection pauses generation (gc_heap). An LLM dropped later is still freed (by
+        # collection pauses generation (protos.gc_heap). An LLM dropped later is still freed (by
         # reference counts: it holds no cycles).
-        freeze_startup_heap()
+        freeze_startup_heap(logging.getLogger(__name__))
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer

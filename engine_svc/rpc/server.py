@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2_grpc
 
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.engine_loop import EngineLoop
-from engine_svc.gc_heap import freeze_startup_heap
 from engine_svc.rpc import handlers, health, reflection
 from engine_svc.rpc.servicer import EngineServicer
 from engine_svc.rpc.tls import TlsConfig
+from protos.gc_heap import freeze_startup_heap
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ async def _serve_built(
         logger.info("plaintext health port %s:%d", config.host, health_port)
     await server.start()
     if config.freeze_gc_heap:
-        freeze_startup_heap()
+        freeze_startup_heap(logger)
     await health_service.set_serving(True)
     watchdog = asyncio.create_task(_watch_progress(loop, health_service), name="engine-health")
     logger.info(

@@ -40,7 +40,6 @@ from engine_svc.models.loader import (
     load_model,
     read_hf_config,
 )
-from engine_svc.native_memory import trim_heap
 from engine_svc.structured_output.bitmask import GrammarBitmask
 from engine_svc.worker import cuda_graphs
 from engine_svc.worker.cuda_graphs import DecodeGraphs
@@ -54,6 +53,7 @@ from engine_svc.worker.step_inputs import StepBuffers, StepInputs, build_step, g
 from engine_svc.worker.uploads import upload
 from kernels.attention_backends import DecodeShape, Kernels, select_kernels
 from kernels.attention_metadata import AttentionMetadata
+from protos.native_memory import trim_heap
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The offline ``LLM`` freezes its startup heap as the server does (``engine_svc.gc_heap``): the
+"""The offline ``LLM`` freezes its startup heap as the server does (``protos.gc_heap``): the
 model and the engine are out of the collector's walks once it is built, and an LLM that is
 dropped is still freed."""
 
