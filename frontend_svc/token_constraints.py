@@ -13,6 +13,7 @@ from dataclasses import replace
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol import SamplingOptions
 from frontend_svc.tokenizer import Tokenizer
+from protos.bad_words import EmptyBadWord, bad_words_token_ids
 
 
 def resolve_token_constraints(
@@ -24,25 +25,21 @@ def resolve_token_constraints(
     _check_vocab("allowed_token_ids", options.allowed_token_ids, vocab_size)
     if not options.bad_words:
         return options
-    sequences = bad_words_token_ids(tokenizer, options.bad_words)
+    sequences = _bad_words_token_ids(tokenizer, options.bad_words)
     _check_vocab("bad_words", [t for s in sequences for t in s], vocab_size)
     return replace(options, bad_words_token_ids=tuple(sequences))
 
 
-def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
-    """The token sequences vLLM bans for ``words``: each word (leading spaces stripped) as the
-    tokenizer encodes it, plus its encoding after a space when that starts with another token and
-    has the same length (a word inside a text usually follows a space). Repeats are dropped."""
-    out: list[tuple[int, ...]] = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        if not plain:
-            raise invalid_parameter(f"Bad word {word!r} tokenizes to no token.", "bad_words")
-        out.append(plain)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(tuple(spaced))
-    return list(dict.fromkeys(out))
+def _bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
+    """vLLM's banned sequences for ``words`` (``protos.bad_words``); 400 for an empty one."""
+    try:
+        return bad_words_token_ids(
+            lambda text: tokenizer.encode(text, add_special_tokens=False), words
+        )
+    except EmptyBadWord as e:
+        raise invalid_parameter(
+            f"Bad word {e.word!r} tokenizes to no token.", "bad_words"
+        ) from None
 
 
 def _check_vocab(param: str, token_ids: Sequence[int], vocab_size: int) -> None:

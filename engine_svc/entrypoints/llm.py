@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from engine_svc.entrypoints.llm_pooling import PoolingMixin
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
 from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL, resolve_model, resolve_tokenizer
+from protos.bad_words import bad_words_token_ids
 from protos.gc_heap import freeze_startup_heap
 
 PromptType = str | dict[str, Any]
@@ -348,9 +349,8 @@ class LLM(PoolingMixin):
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise ValueError(f"bad_words need a tokenizer; the model at {self.model_dir} has none")
-        ids = bad_words_token_ids(
-            lambda text: list(tokenizer.encode(text, add_special_tokens=False)), params.bad_words
-        )
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        ids = [list(s) for s in bad_words_token_ids(encode, params.bad_words)]
         return replace(
             params, bad_words=None, bad_words_token_ids=(params.bad_words_token_ids or []) + ids
         )
@@ -380,21 +380,3 @@ class LLM(PoolingMixin):
         if finish_reason == str(FinishReason.STOP):
             token_ids = token_ids[:-1]
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
-
-
-def bad_words_token_ids(
-    encode: Callable[[str], list[int]], words: Sequence[str]
-) -> list[list[int]]:
-    """The token sequences vLLM bans for ``words``: each word (leading spaces stripped) as
-    ``encode`` tokenizes it, plus its tokenization after a space when that starts with another
-    token and has the same length (a word inside a text usually follows a space)."""
-    out: list[list[int]] = []
-    for word in words:
-        plain = encode(word.lstrip())
-        if not plain:
-            raise ValueError(f"bad_words: {word!r} tokenizes to no token")
-        out.append(plain)
-        spaced = encode(" " + word.lstrip())
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(spaced)
-    return out

@@ -16,7 +16,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine_svc import LLM, SamplingParams
 from engine_svc.core.request import Request
-from engine_svc.entrypoints.llm import bad_words_token_ids
 from engine_svc.rpc.convert import sampling_params_from_pb
 from engine_svc.worker.input_batch import InputBatch
 from engine_svc.worker.sampler import (
@@ -27,6 +26,7 @@ from engine_svc.worker.sampler import (
     sample,
 )
 from engine_svc.worker.sampling_inputs import bad_word_bans, sampling_metadata
+from protos.bad_words import EmptyBadWord, bad_words_token_ids
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 NEG_INF = float("-inf")
@@ -93,14 +93,14 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
     def encode(text: str) -> list[int]:
         return vocab[text]
 
-    assert bad_words_token_ids(encode, ["bad", "  two words", "x"]) == [
-        [10],
-        [11],
-        [20, 21],
-        [22, 21],
-        [30],
-    ]
-    with pytest.raises(ValueError, match="bad_words"):
+    assert bad_words_token_ids(encode, ["bad", "  two words", "x", " bad"]) == [
+        (10,),
+        (11,),
+        (20, 21),
+        (22, 21),
+        (30,),
+    ]  # " bad" repeats "bad": dropped
+    with pytest.raises(EmptyBadWord, match="'empty' tokenizes to no token"):
         bad_words_token_ids(lambda text: [], ["empty"])
 
 
