@@ -465,3 +465,21 @@ def test_offline_llm_applies_the_constraints(llm: LLM) -> None:
         _run(llm, logit_bias={384: 1.0})
     with pytest.raises(ValueError, match="bad_words need a tokenizer"):
         _run(llm, bad_words=["hello"])
+
+
+def test_offline_llm_bans_the_same_bad_word_sequences_as_the_gateway() -> None:
+    """The offline LLM tokenizes ``bad_words`` with the rule the gateway uses
+    (``protos.bad_words``): both spellings of a word, repeats dropped."""
+    from engine_svc.default_model import ensure_default_model
+
+    llm = LLM(str(ensure_default_model()), dtype="float32", num_kv_blocks=16, device="cpu")
+    words = ["hello", " hello", "world"]
+    params = llm._with_bad_word_ids(SamplingParams(bad_words=words, bad_words_token_ids=[[3]]))
+
+    def encode(text: str) -> list[int]:
+        return llm.tokenizer.encode(text, add_special_tokens=False)
+
+    want = [[3]] + [list(s) for s in bad_words_token_ids(encode, words)]
+    assert params.bad_words is None and params.bad_words_token_ids == want
+    assert [encode("hello")] == want[1:2]  # the plain form first
+    assert len({tuple(s) for s in want}) == len(want)  # " hello" repeated "hello": dropped
