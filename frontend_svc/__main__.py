@@ -14,9 +14,9 @@ def main(argv: list[str] | None = None) -> None:
     too_late = prefer_polling_io()
     import uvicorn
 
-    from frontend_svc.app import build_app
     from frontend_svc.config import config_from_args
-    from frontend_svc.workers import (
+    from frontend_svc.server.app import build_app
+    from frontend_svc.server.workers import (
         configure_logging,
         serve_problem,
         serve_workers,

@@ -1,8 +1,8 @@
 """Gateway configuration: command-line flags with defaults from ``TANDEM_*`` environment variables.
 
-This is the only module of the gateway that reads the environment. Besides the flags' variables it
-reads the two that a ``--workers`` supervisor (``frontend_svc.workers``) sets for its workers: the
-config it parsed, and where the workers share their Prometheus figures.
+This is the only module of the gateway that reads the environment. Besides the flags' variables
+it reads the two that a ``--workers`` supervisor (``frontend_svc.server.workers``) sets for its
+workers: the config it parsed, and where the workers share their Prometheus figures.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class HttpsConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How a request picks one of several engines (see ``frontend_svc.routing``)."""
+    """How a request picks one of several engines (see ``frontend_svc.engine.router``)."""
 
     resolve_interval_s: float = 10.0  # how often dns:/// engine names are looked up again
     affinity_min_tokens: int = 64  # shared prompt prefix that makes affinity worth it; 0: off
@@ -103,7 +103,7 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """What one HTTP request may cost the gateway (enforced by ``frontend_svc.limits``).
+    """What one HTTP request may cost the gateway (enforced by ``frontend_svc.server.limits``).
 
     4 MiB of body holds a whole 128k-token context however it is spelled (text, escaped CJK,
     token ids: at most ~1.2 MB) three times over, and json.loads of the worst-shaped body that

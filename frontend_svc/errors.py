@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.types import (
     EngineCallError,
     EngineErrorCode,
     EngineRequestError,

@@ -16,7 +16,7 @@ from pydantic import Field, PlainValidator, ValidationInfo, field_validator, mod
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import RequestModel, given, problem
 from frontend_svc.protocol.fields import FAIL_FAST, Bool, Says
-from frontend_svc.tools import FUNCTION_NAME, FunctionTool, ToolChoice, ToolOptions
+from frontend_svc.protocol.tools import FUNCTION_NAME, FunctionTool, ToolChoice, ToolOptions
 
 FunctionName = Annotated[
     str,

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from frontend_svc.engine_types import StructuredOutput
+from frontend_svc.engine.types import StructuredOutput
 from frontend_svc.protocol.base import validate
 from frontend_svc.protocol.models import (
     ChatBody,

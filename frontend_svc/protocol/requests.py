@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from frontend_svc.engine_types import EngineSamplingParams, StructuredOutput
-from frontend_svc.tools import ToolOptions
+from frontend_svc.engine.types import EngineSamplingParams, StructuredOutput
+from frontend_svc.protocol.tools import ToolOptions
 
 Prompt = str | tuple[int, ...]  # text, or token ids
 

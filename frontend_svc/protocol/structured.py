@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import orjson
 from pydantic import Field, PlainValidator, model_validator
 
-from frontend_svc.engine_types import StructuredOutput
+from frontend_svc.engine.types import StructuredOutput
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import NOT_NULL, RequestModel, given
 from frontend_svc.protocol.fields import (

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.generation import (
+from frontend_svc.generation.run import (
     ChoiceResult,
     UsageCounter,
     collect,
@@ -24,9 +24,13 @@ from frontend_svc.generation import (
     prepare_prompt,
     random_id,
 )
-from frontend_svc.logprobs_format import TOKEN_ID_TEXTS, TokenTexts, chat_logprobs, prompt_logprobs
-from frontend_svc.output_processor import SequenceDelta
 from frontend_svc.protocol import ChatRequest, parse_chat
+from frontend_svc.protocol.logprobs import (
+    TOKEN_ID_TEXTS,
+    TokenTexts,
+    chat_logprobs,
+    prompt_logprobs,
+)
 from frontend_svc.routes.common import (
     PlainTextEvents,
     gateway,
@@ -37,8 +41,9 @@ from frontend_svc.routes.common import (
     stream_sse,
     with_server_defaults,
 )
-from frontend_svc.sse import ClientDisconnected, until_disconnected
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
+from frontend_svc.text.output_processor import SequenceDelta
+from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolCallStream, ToolParser
 
 

@@ -11,19 +11,16 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine_types import ModelInfo
+from frontend_svc.engine.types import ModelInfo
 from frontend_svc.errors import (
     ApiError,
     from_engine_error,
     invalid_parameter,
     unsupported_media_type,
 )
-from frontend_svc.gateway_state import GatewayState
-from frontend_svc.generation import UsageCounter
-from frontend_svc.output_processor import SequenceDelta
-from frontend_svc.prompt_encoder import PromptEncoder
+from frontend_svc.generation.run import UsageCounter
 from frontend_svc.protocol import ResponseOptions
-from frontend_svc.sse import (
+from frontend_svc.routes.sse import (
     DONE_EVENT,
     ClientDisconnected,
     DisconnectWatcher,
@@ -31,6 +28,9 @@ from frontend_svc.sse import (
     TextEvents,
     sse_event,
 )
+from frontend_svc.server.state import GatewayState
+from frontend_svc.text.output_processor import SequenceDelta
+from frontend_svc.text.prompt_encoder import PromptEncoder
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ async def parse_body(request: Request, parse: Callable[..., T], *args: Any) -> T
         or (media_type.startswith("application/") and media_type.endswith("+json"))
     ):
         raise unsupported_media_type(content_type)
-    body = await request.body()  # at most --max-body-bytes (frontend_svc.limits)
+    body = await request.body()  # at most --max-body-bytes (frontend_svc.server.limits)
     if len(body) < BIG_BODY_BYTES:
         return parse(loads(body), *args)
     return await prompt_encoder(request).run(lambda: parse(loads(body), *args))

@@ -11,8 +11,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.engine_types import TokenLogprob
-from frontend_svc.generation import (
+from frontend_svc.engine.types import TokenLogprob
+from frontend_svc.generation.run import (
     ChoiceResult,
     UsageCounter,
     collect,
@@ -20,14 +20,13 @@ from frontend_svc.generation import (
     prepare_prompt,
     random_id,
 )
-from frontend_svc.logprobs_format import (
+from frontend_svc.protocol import CompletionRequest, parse_completion
+from frontend_svc.protocol.logprobs import (
     TOKEN_ID_TEXTS,
     CompletionLogprobs,
     TokenTexts,
     prompt_logprobs,
 )
-from frontend_svc.output_processor import SequenceDelta
-from frontend_svc.protocol import CompletionRequest, parse_completion
 from frontend_svc.routes.common import (
     PlainTextEvents,
     gateway,
@@ -38,8 +37,9 @@ from frontend_svc.routes.common import (
     stream_sse,
     with_server_defaults,
 )
-from frontend_svc.sse import ClientDisconnected, until_disconnected
-from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
+from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
+from frontend_svc.text.output_processor import SequenceDelta
+from frontend_svc.text.tokenizer import EncodedPrompt, Tokenizer
 
 
 async def create_completion(request: Request) -> Response:

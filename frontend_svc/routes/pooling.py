@@ -19,16 +19,15 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.types import (
     EngineOutput,
     EnginePoolingParams,
     ModelInfo,
     PoolingTask,
 )
 from frontend_svc.errors import ApiError, invalid_parameter
-from frontend_svc.gateway_state import GatewayState
-from frontend_svc.generation import pool, random_id
-from frontend_svc.pooling_protocol import (
+from frontend_svc.generation.run import pool, random_id
+from frontend_svc.protocol.pooling import (
     ClassificationRequest,
     EmbeddingRequest,
     parse_classification,
@@ -36,8 +35,9 @@ from frontend_svc.pooling_protocol import (
     parse_pooling,
 )
 from frontend_svc.routes.common import gateway, parse_body, prompt_encoder, require_task
-from frontend_svc.sse import ClientDisconnected, until_disconnected
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
+from frontend_svc.server.state import GatewayState
+from frontend_svc.text.tokenizer import Tokenizer
 
 # Responses holding this many numbers are serialized in the worker pool, off the event loop.
 BIG_RESPONSE_VALUES = 65536

@@ -15,15 +15,14 @@ from collections.abc import Sequence
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.types import (
     EngineOutput,
     EnginePoolingParams,
     ModelInfo,
     PoolingTask,
 )
-from frontend_svc.generation import random_id
-from frontend_svc.pooling_protocol import RerankRequest, ScoreRequest, parse_rerank, parse_score
-from frontend_svc.prompt_encoder import OFFLOAD_MIN_CHARS
+from frontend_svc.generation.run import random_id
+from frontend_svc.protocol.pooling import RerankRequest, ScoreRequest, parse_rerank, parse_score
 from frontend_svc.routes.common import gateway, parse_body, prompt_encoder
 from frontend_svc.routes.pooling import (
     check_truncation,
@@ -35,7 +34,8 @@ from frontend_svc.routes.pooling import (
     special_suffix_len,
     usage,
 )
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.text.prompt_encoder import OFFLOAD_MIN_CHARS
+from frontend_svc.text.tokenizer import Tokenizer
 
 Scored = tuple[list[float], list[EngineOutput], list[list[int]]]
 

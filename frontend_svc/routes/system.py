@@ -11,11 +11,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from frontend_svc import __version__
 from frontend_svc.errors import engine_unavailable, model_not_found
-from frontend_svc.gateway_state import ADAPTER_REFRESH_S
-from frontend_svc.metrics import CONTENT_TYPE
-from frontend_svc.openapi import openapi_schema, swagger_ui_page
 from frontend_svc.routes import adapters, utility
 from frontend_svc.routes.common import gateway
+from frontend_svc.server.metrics import CONTENT_TYPE
+from frontend_svc.server.openapi import openapi_schema, swagger_ui_page
+from frontend_svc.server.state import ADAPTER_REFRESH_S
 
 _STARTED = int(time.time())
 

@@ -1,8 +1,9 @@
 """Tool calls from output that structured outputs constrained (``tool_choice`` required or named).
 
 No markup here: for a named function the whole output is that call's arguments; for "required"
-it is a JSON array ``[{"name": ..., "parameters": {...}}, ...]`` (the schema ``frontend_svc.tools``
-builds), and each element is one call whose arguments are its "parameters" text.
+it is a JSON array ``[{"name": ..., "parameters": {...}}, ...]`` (the schema
+``frontend_svc.protocol.tools`` builds), and each element is one call whose arguments are its
+"parameters" text.
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ def test_frontend_packages_need_no_engine_dependency() -> None:
         "for name in ('torch', 'transformers', 'safetensors', 'cupy', 'engine_svc', 'kernels'):\n"
         "    sys.modules[name] = None\n"
         "import frontend_svc.__main__\n"
-        "from frontend_svc.app import build_app\n"
+        "from frontend_svc.server.app import build_app\n"
         "from frontend_svc.config import config_from_args\n"
         "build_app(config_from_args([]))\n"
     )

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import uvicorn
 
-from frontend_svc.app import build_app
 from frontend_svc.config import BackoffConfig, FrontendConfig, LimitsConfig
-from frontend_svc.limits import uvicorn_options
+from frontend_svc.server.app import build_app
+from frontend_svc.server.limits import uvicorn_options
 
 
 def free_port() -> int:

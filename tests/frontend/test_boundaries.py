@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 def test_gateway_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import frontend_svc, frontend_svc.app, frontend_svc.__main__\n"
-        "from frontend_svc.app import build_app\n"
+        "import frontend_svc, frontend_svc.server.app, frontend_svc.__main__\n"
+        "from frontend_svc.server.app import build_app\n"
         "from frontend_svc.config import FrontendConfig\n"
         "build_app(FrontendConfig())\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -33,13 +34,35 @@ def _runs_clean(code: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_only_the_engine_client_and_its_messages_import_the_stubs() -> None:
-    importers = sorted(
+def _importers(folder: str, *needles: str) -> list[str]:
+    return sorted(
         str(p.relative_to(ROOT))
-        for p in (ROOT / "frontend_svc").rglob("*.py")
-        if "protos.tandem" in p.read_text() or "engine_pb2" in p.read_text()
+        for p in (ROOT / folder).rglob("*.py")
+        if any(n in p.read_text() for n in needles)
     )
-    assert importers == ["frontend_svc/engine_client.py", "frontend_svc/engine_messages.py"]
+
+
+def test_only_the_gateways_engine_folder_imports_the_stubs() -> None:
+    importers = _importers("frontend_svc", "protos.tandem", "engine_pb2")
+    assert importers, "the rule must look at something"
+    assert all(p.startswith("frontend_svc/engine/") for p in importers), importers
+
+
+def test_only_the_engines_rpc_folder_imports_the_stubs() -> None:
+    importers = _importers("engine_svc", "protos.tandem", "engine_pb2")
+    assert importers, "the rule must look at something"
+    assert all(p.startswith("engine_svc/rpc/") for p in importers), importers
+
+
+def test_neither_service_imports_the_other() -> None:
+    for folder, other in (("frontend_svc", "engine_svc"), ("engine_svc", "frontend_svc")):
+        pattern = re.compile(rf"^\s*(from|import) {other}\b", re.M)
+        offenders = [
+            str(p.relative_to(ROOT))
+            for p in (ROOT / folder).rglob("*.py")
+            if pattern.search(p.read_text())
+        ]
+        assert offenders == [], offenders
 
 
 def test_the_contract_package_imports_no_torch_and_neither_service() -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from frontend_svc.config import FrontendConfig, HttpsConfig, build_arg_parser, config_from_args
-from frontend_svc.workers import server_options
+from frontend_svc.server.workers import server_options
 
 pytestmark = pytest.mark.timeout(30)
 

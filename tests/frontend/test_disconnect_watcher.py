@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.sse import ClientDisconnected, DisconnectWatcher, SSEResponse
+from frontend_svc.routes.sse import ClientDisconnected, DisconnectWatcher, SSEResponse
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,8 +8,8 @@ import contextlib
 import pytest
 
 from frontend_svc.config import BackoffConfig
-from frontend_svc.engine_client import EngineClient
-from frontend_svc.engine_types import (
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.types import (
     EngineErrorCode,
     EngineRequest,
     EngineRequestError,
@@ -115,7 +115,7 @@ def test_a_report_leaves_after_the_consumer_has_taken_the_message(
     (Best effort: a report can overtake when the loop takes a message and the end of the previous
     report's write in one turn, after a stall longer than a step; the slow steps here keep that
     away.)"""
-    import frontend_svc.engine_client as engine_client
+    import frontend_svc.engine.client as engine_client
 
     events: list[tuple[str, int]] = []
     drain = engine_client._drain

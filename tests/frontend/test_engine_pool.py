@@ -19,10 +19,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from frontend_svc.config import BackoffConfig, FrontendConfig, RoutingConfig
-from frontend_svc.engine_client import EngineClient
-from frontend_svc.engine_pool import EnginePool
-from frontend_svc.engine_targets import EngineTarget, parse_engine_targets
-from frontend_svc.engine_types import (
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.pool import EnginePool
+from frontend_svc.engine.targets import EngineTarget, parse_engine_targets
+from frontend_svc.engine.types import (
     EngineErrorCode,
     EngineOutput,
     EngineRequest,

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from frontend_svc.engine_pool import EnginePool
-from frontend_svc.metrics import Metrics
+from frontend_svc.engine.pool import EnginePool
+from frontend_svc.server.metrics import Metrics
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
 from tests.frontend.test_engine_pool import (

@@ -277,7 +277,7 @@ def test_one_sequence_streams_without_a_merge(
     client: openai.OpenAI, hf_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """n=1 relays its sequence directly (no merge task and queue per token); n=2 merges."""
-    from frontend_svc import generation
+    from frontend_svc.generation import run as generation
 
     merged: list[int] = []
     original = generation.merge

@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.collector import OutputCollector, merge_outputs
+from frontend_svc.engine.types import (
     EngineErrorCode,
     EngineOutput,
     EngineRequestError,
     FinishReason,
     TokenLogprob,
 )
-from frontend_svc.output_collector import OutputCollector, merge_outputs
 
 
 def _out(ids: tuple[int, ...], **kw: object) -> EngineOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from frontend_svc.generation import random_id
+from frontend_svc.generation.run import random_id
 
 
 def test_ids_are_unique_random_hex() -> None:

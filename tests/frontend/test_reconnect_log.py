@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from frontend_svc.config import BackoffConfig
-from frontend_svc.engine_client import EngineClient
-from frontend_svc.reconnect_log import ReconnectLog
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.reconnect_log import ReconnectLog
 from tests.frontend.conftest import make_engine
 from tests.frontend.harness import free_port
 
@@ -134,7 +134,7 @@ def test_a_client_waiting_for_its_engine_logs_once_then_once_when_connected(
     then the engine comes up on it."""
     port = free_port()
     engine = make_engine(tokenizer_dir, hf_tokenizer)
-    caplog.set_level(logging.INFO, "frontend_svc.engine_client")
+    caplog.set_level(logging.INFO, "frontend_svc.engine.client")
 
     async def scenario() -> None:
         client = EngineClient(f"127.0.0.1:{port}", BackoffConfig(0.01, 0.02))

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from frontend_svc import openapi
 from frontend_svc.errors import ApiError
-from frontend_svc.openapi import OPERATIONS, Operation, openapi_schema
 from frontend_svc.protocol import parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from frontend_svc.protocol.models import ChatBody, CompletionBody
+from frontend_svc.server import openapi
+from frontend_svc.server.openapi import OPERATIONS, Operation, openapi_schema
 
 pytestmark = pytest.mark.timeout(60)
 USER = [{"role": "user", "content": "Hi"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend_svc.routing import PrefixAffinity, Router
+from frontend_svc.engine.router import PrefixAffinity, Router
 
 
 def test_keys_are_per_complete_block_and_chained() -> None:

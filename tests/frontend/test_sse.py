@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from frontend_svc.sse import sse_event
+from frontend_svc.routes.sse import sse_event
 
 # Line ends for str.splitlines (and so httpx's iter_lines) that JSON leaves unescaped, plus the
 # ones JSON escapes anyway.

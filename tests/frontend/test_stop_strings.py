@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend_svc.stop_strings import StopMatch, StopStringMatcher
+from frontend_svc.text.stop_strings import StopMatch, StopStringMatcher
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from frontend_svc.openapi import PUBLIC_PATHS, SWAGGER_UI_DIST, swagger_ui_page
+from frontend_svc.server.openapi import PUBLIC_PATHS, SWAGGER_UI_DIST, swagger_ui_page
 from tests.frontend.fake_engine import FakeEngine
 from tests.frontend.harness import GatewayServer
 

@@ -13,12 +13,12 @@ import pytest
 
 from frontend_svc.errors import ApiError
 from frontend_svc.protocol import parse_chat
+from frontend_svc.protocol.tools import FunctionTool, ToolOptions
 from frontend_svc.tool_parsers import (
     NamedFunctionParser,
     RequiredCallsParser,
     get_tool_parser,
 )
-from frontend_svc.tools import FunctionTool, ToolOptions
 
 pytestmark = pytest.mark.timeout(30)
 

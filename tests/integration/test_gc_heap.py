@@ -69,7 +69,7 @@ def test_engine_and_gateway_freeze_their_startup_heap(
         assert state.tokenizer is not None and not tracked(state.tokenizer)
         assert not tracked(state) and not tracked(state.metrics)
         froze = [r.name for r in caplog.records if "froze the startup heap" in r.getMessage()]
-        assert froze == ["engine_svc.rpc.server", "frontend_svc.gateway_state"], froze
+        assert froze == ["engine_svc.rpc.server", "frontend_svc.server.state"], froze
         r = httpx.post(
             f"{gateway.url}/v1/completions",
             json={"model": "m", "prompt": "hello", "max_tokens": 3},

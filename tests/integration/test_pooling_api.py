@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from frontend_svc.pooling_protocol import MAX_INPUTS
+from frontend_svc.protocol.pooling import MAX_INPUTS
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 from tests.integration.harness import API_KEY, Engine, Gateway

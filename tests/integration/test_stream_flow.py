@@ -253,8 +253,8 @@ def test_the_gateways_client_under_other_windows_gets_every_token(
     import contextlib
 
     from frontend_svc.config import BackoffConfig
-    from frontend_svc.engine_client import EngineClient
-    from frontend_svc.engine_types import EngineRequest, EngineSamplingParams, FinishReason
+    from frontend_svc.engine.client import EngineClient
+    from frontend_svc.engine.types import EngineRequest, EngineSamplingParams, FinishReason
 
     lengths = {f"w{window}-{i}": 20 + 7 * i for i in range(5)}
     expected = {
@@ -296,8 +296,8 @@ def test_the_gateways_client_hands_on_each_merged_steps_tokens(engine: Engine) -
     import contextlib
 
     from frontend_svc.config import BackoffConfig
-    from frontend_svc.engine_client import EngineClient
-    from frontend_svc.engine_types import EngineRequest, EngineSamplingParams
+    from frontend_svc.engine.client import EngineClient
+    from frontend_svc.engine.types import EngineRequest, EngineSamplingParams
 
     calls: list[tuple[int, int, list[int]]] = []
 

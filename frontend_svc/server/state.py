@@ -7,11 +7,11 @@ import hmac
 import logging
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_pool import EnginePool
-from frontend_svc.engine_types import ModelInfo, TokenizerFiles
+from frontend_svc.engine.pool import EnginePool
+from frontend_svc.engine.types import ModelInfo, TokenizerFiles
 from frontend_svc.errors import engine_unavailable, model_not_found
-from frontend_svc.metrics import Metrics
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.server.metrics import Metrics
+from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
 from protos.gc_heap import freeze_startup_heap
 

@@ -14,12 +14,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_types import EngineCallError, EngineRequestError, EngineUnavailableError
+from frontend_svc.engine.types import EngineCallError, EngineRequestError, EngineUnavailableError
 from frontend_svc.errors import ApiError, from_engine_error, from_http_status, unauthorized
-from frontend_svc.gateway_state import GatewayState
-from frontend_svc.limits import RequestLimitsMiddleware
-from frontend_svc.openapi import PUBLIC_PATHS
-from frontend_svc.prompt_encoder import PromptEncoder
 from frontend_svc.routes import (
     adapters,
     chat,
@@ -30,6 +26,10 @@ from frontend_svc.routes import (
     tokenize,
     utility,
 )
+from frontend_svc.server.limits import RequestLimitsMiddleware
+from frontend_svc.server.openapi import PUBLIC_PATHS
+from frontend_svc.server.state import GatewayState
+from frontend_svc.text.prompt_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from frontend_svc.engine_types import EngineErrorCode, EngineRequestError
+from frontend_svc.engine.types import EngineErrorCode, EngineRequestError
 from frontend_svc.errors import invalid_parameter
 
 T = TypeVar("T")

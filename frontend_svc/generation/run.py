@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from frontend_svc.engine_pool import EnginePool
-from frontend_svc.engine_types import (
+from frontend_svc.engine.pool import EnginePool
+from frontend_svc.engine.types import (
     EngineErrorCode,
     EngineOutput,
     EnginePoolingParams,
@@ -31,12 +31,12 @@ from frontend_svc.engine_types import (
     TokenLogprob,
 )
 from frontend_svc.errors import invalid_parameter
-from frontend_svc.gateway_state import GatewayState
-from frontend_svc.metrics import Metrics
-from frontend_svc.output_processor import OutputProcessor, SequenceDelta
+from frontend_svc.generation.structured_errors import name_constraint_errors
+from frontend_svc.generation.token_constraints import resolve_token_constraints, truncated_prompt
 from frontend_svc.protocol import SamplingOptions
-from frontend_svc.structured_output import name_constraint_errors
-from frontend_svc.token_constraints import resolve_token_constraints, truncated_prompt
+from frontend_svc.server.metrics import Metrics
+from frontend_svc.server.state import GatewayState
+from frontend_svc.text.output_processor import OutputProcessor, SequenceDelta
 
 T = TypeVar("T")
 

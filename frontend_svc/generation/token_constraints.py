@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol import SamplingOptions
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.text.tokenizer import Tokenizer
 from protos.bad_words import EmptyBadWord, bad_words_token_ids
 
 

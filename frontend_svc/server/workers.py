@@ -17,7 +17,7 @@ with its startup-failure status 3, and raise a traceback for a bad certificate).
   streams and exits; then the parent exits 0.
 - A worker whose supervisor is gone (even killed with SIGKILL) gets SIGTERM and stops the same way.
 - Prometheus figures go to files in a directory the parent makes for the run and removes at exit;
-  ``frontend_svc.metrics`` merges them so that any worker's /metrics covers all of them.
+  ``frontend_svc.server.metrics`` merges them so that any worker's /metrics covers all of them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from frontend_svc.app import build_app
 from frontend_svc.config import (
     METRICS_DIR_ENV,
     WORKER_CONFIG_ENV,
@@ -46,10 +45,11 @@ from frontend_svc.config import (
     config_to_json,
     handed_down_config,
 )
-from frontend_svc.limits import uvicorn_options
+from frontend_svc.server.app import build_app
+from frontend_svc.server.limits import uvicorn_options
 
 GRACEFUL_SHUTDOWN_S = 5  # after SIGTERM, in-flight requests get this long to finish
-WORKER_APP = "frontend_svc.workers:worker_app"
+WORKER_APP = "frontend_svc.server.workers:worker_app"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 logger = logging.getLogger(__name__)

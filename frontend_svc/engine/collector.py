@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from frontend_svc.engine_types import EngineOutput, TokenLogprob
+from frontend_svc.engine.types import EngineOutput, TokenLogprob
 
 
 class OutputCollector:

@@ -4,7 +4,7 @@
 ``dns:///NAME:PORT`` (a Kubernetes headless Service), whose addresses are looked up again every
 ``resolve_interval_s`` so engines that scale up join and engines that go away leave.
 
-A request goes to the engine :class:`~frontend_svc.routing.Router` picks among the connected
+A request goes to the engine :class:`~frontend_svc.engine.router.Router` picks among the connected
 ones. When that engine fails the request before it produced a token (stream broken, draining,
 queue full) it is sent to another engine; once tokens have reached the client, the error is the
 client's. An engine whose stream breaks leaves the rotation at once and rejoins when its client
@@ -32,14 +32,15 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import EngineClient
-from frontend_svc.engine_targets import (
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.router import Router
+from frontend_svc.engine.targets import (
     EngineTarget,
     channel_credentials,
     parse_engine_targets,
     resolve,
 )
-from frontend_svc.engine_types import (
+from frontend_svc.engine.types import (
     EngineCallError,
     EngineErrorCode,
     EngineOutput,
@@ -52,7 +53,6 @@ from frontend_svc.engine_types import (
     ModelInfo,
     TokenizerFiles,
 )
-from frontend_svc.routing import Router
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

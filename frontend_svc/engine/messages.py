@@ -1,8 +1,8 @@
 """The contract's messages as the gateway's own types, both ways: a request to ``AddRequest``;
 an engine step's ``RequestOutput``, ``LoadStats`` and error codes, and the unary calls' replies
-(model info, LoRA adapters) to the types in :mod:`frontend_svc.engine_types`.
+(model info, LoRA adapters) to the types in :mod:`frontend_svc.engine.types`.
 
-With :mod:`frontend_svc.engine_client` (the stream and the calls), the only modules that import
+With :mod:`frontend_svc.engine.client` (the stream and the calls), the only modules that import
 the generated stubs. The conversions of what every engine step carries (:func:`engine_output`,
 :func:`load_figures`) run once per request per step: they skip what is empty or unset rather
 than convert it.
@@ -14,7 +14,7 @@ import sys
 from array import array
 from collections.abc import Iterable
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.types import (
     EngineErrorCode,
     EngineOutput,
     EnginePoolingParams,

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from frontend_svc.chat_template import ChatTemplateError, cut_after_final_message, render_chat
 from frontend_svc.errors import invalid_parameter
-from frontend_svc.tokenizer import EncodedPrompt, Tokenizer
+from frontend_svc.text.chat_template import ChatTemplateError, cut_after_final_message, render_chat
+from frontend_svc.text.tokenizer import EncodedPrompt, Tokenizer
 from protos.native_memory import trim_heap
 
 T = TypeVar("T")

@@ -18,15 +18,15 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from frontend_svc.pooling_protocol import (
+from frontend_svc.protocol.adapters import LoadLoraAdapterBody, UnloadLoraAdapterBody
+from frontend_svc.protocol.models import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from frontend_svc.protocol.pooling import (
     ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
     ScoreRequest,
 )
-from frontend_svc.protocol.adapters import LoadLoraAdapterBody, UnloadLoraAdapterBody
-from frontend_svc.protocol.models import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": REF.format(model="ErrorResponse")}

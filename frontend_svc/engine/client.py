@@ -1,9 +1,9 @@
 """The gateway's side of the engine contract: the stream and the unary calls. This module and
-:mod:`frontend_svc.engine_messages` (the messages as the gateway's types) are the only ones that
+:mod:`frontend_svc.engine.messages` (the messages as the gateway's types) are the only ones that
 import the generated stubs.
 
 One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
-request gets its own :class:`~frontend_svc.output_collector.OutputCollector`; the engine's
+request gets its own :class:`~frontend_svc.engine.collector.OutputCollector`; the engine's
 per-step ``EngineCoreOutputs`` are split by request id into those collectors (a consumer that
 falls behind takes several steps' outputs merged into one). The stream has a window
 (``FlowControl``): at most ``window`` engine messages in flight unread, progress reported each
@@ -14,7 +14,7 @@ holds its vector. When the stream breaks, every in-flight request gets an
 :class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
 fetching model info and the tokenizer again before it reports itself connected. The attempts
 keep that pace however long the engine is away; their log lines do not
-(:mod:`frontend_svc.reconnect_log`).
+(:mod:`frontend_svc.engine.reconnect_log`).
 
 Beside the stream, the client watches the engine's ``grpc.health.v1`` status: an engine that
 drains or stalls says NOT_SERVING at once, and :attr:`EngineClient.serving` follows it, so the
@@ -43,8 +43,9 @@ from typing import Any, TypeVar
 import grpc
 
 from frontend_svc.config import BackoffConfig
-from frontend_svc.engine_health import HealthFollower
-from frontend_svc.engine_messages import (
+from frontend_svc.engine.collector import OutputCollector
+from frontend_svc.engine.health import HealthFollower
+from frontend_svc.engine.messages import (
     add_request,
     engine_output,
     error_code,
@@ -52,7 +53,8 @@ from frontend_svc.engine_messages import (
     lora_adapter,
     model_info,
 )
-from frontend_svc.engine_types import (
+from frontend_svc.engine.reconnect_log import ReconnectLog
+from frontend_svc.engine.types import (
     EngineCallError,
     EngineErrorCode,
     EngineOutput,
@@ -64,8 +66,6 @@ from frontend_svc.engine_types import (
     ModelInfo,
     TokenizerFiles,
 )
-from frontend_svc.output_collector import OutputCollector
-from frontend_svc.reconnect_log import ReconnectLog
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 

@@ -1,0 +1,2 @@
+"""Text to tokens and back: the tokenizer, chat templates, prompt encoding, detokenizing, stop
+strings."""
