@@ -132,7 +132,13 @@ def _resolve(
 ) -> ModelSource:
     local = Path(name).expanduser()
     if local.is_dir():  # a directory always wins over a repo id of the same spelling
-        if (lacks := kind.missing(local)) is not None:
+        # Only what makes it a checkpoint at all: the loader then says, in its order, what is
+        # wrong with one (an unsupported architecture before missing weights).
+        if kind is MODEL:
+            lacks = None if (local / "config.json").is_file() else "config.json"
+        else:
+            lacks = kind.missing(local)
+        if lacks is not None:
             raise ModelSourceError(f"{kind.noun} directory {local} has no {lacks}")
         return ModelSource(local)
     from huggingface_hub import constants

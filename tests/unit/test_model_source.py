@@ -150,21 +150,14 @@ def test_an_existing_directory_wins_over_a_cached_repo(
     assert resolve_model(local).path == local
 
 
-@pytest.mark.parametrize(
-    ("files", "lacks"),
-    [
-        ({}, "has no config.json"),
-        ({"config.json": "{}"}, "has no *.safetensors weights"),
-    ],
-)
-def test_a_directory_that_is_no_checkpoint_is_refused(
-    tmp_path: Path, files: dict[str, str], lacks: str
-) -> None:
-    for name, content in files.items():
-        (tmp_path / name).write_text(content)
+def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelSourceError) as info:
         resolve_model(tmp_path)
-    assert str(info.value).startswith(f"model directory {tmp_path} {lacks}")
+    assert str(info.value).startswith(f"model directory {tmp_path} has no config.json")
+    # With a config.json it is the loader's to say what else is wrong, in its order (an
+    # unsupported architecture before missing weights: test_sampling_and_logprobs.py).
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(tmp_path).path == tmp_path
 
 
 @pytest.mark.parametrize("name", ["/no/such/dir", "./missing", "a/b/c", "~/nope"])
