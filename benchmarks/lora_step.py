@@ -33,10 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import provenance  # noqa: E402
 from throughput import SHAPES, build_model  # noqa: E402
 
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
-from engine_svc.core.engine_core import EngineCore  # noqa: E402
+from engine_svc.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,  # noqa: E402
+)
 from engine_svc.core.sampling_params import SamplingParams  # noqa: E402
-from engine_svc.core.scheduler import SchedulerConfig  # noqa: E402
+from engine_svc.engine_core import EngineCore  # noqa: E402
 from engine_svc.lora.adapter import TARGETS, ModelDims  # noqa: E402
 from engine_svc.lora.config import LoRAConfig  # noqa: E402
 from engine_svc.models.llama import DecoderSpec  # noqa: E402
@@ -67,9 +71,7 @@ def engine(model: Path, batch: int, context: int, lora: LoRAConfig | None) -> En
         EngineConfig(
             model=ModelConfig(str(model), dtype="float32", max_model_len=context),
             cache=CacheConfig(num_kv_blocks=batch * (-(-context // 16)) + 16),
-            scheduler=SchedulerConfig(
-                max_num_seqs=batch, max_num_batched_tokens=4096, max_model_len=context
-            ),
+            scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096),
             lora=lora,
         )
     )

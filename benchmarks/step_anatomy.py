@@ -59,14 +59,10 @@ from provenance import provenance  # noqa: E402
 from step_timeline import Patches  # noqa: E402
 from throughput import SHAPES, build_model  # noqa: E402
 
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
-from engine_svc.core.engine_core import EngineCore  # noqa: E402
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_svc.core.sampling_params import SamplingParams  # noqa: E402
-from engine_svc.core.scheduler import (  # noqa: E402
-    ScheduledRequest,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+from engine_svc.engine_core import EngineCore  # noqa: E402
 from engine_svc.worker import model_runner  # noqa: E402
 from kernels.attention_backends import BACKENDS  # noqa: E402
 
@@ -132,7 +128,6 @@ def engine(model_dir: Path, args: argparse.Namespace, steps: int, graphs: bool) 
                 max_num_seqs=batch,
                 # the step's fixed input regions (copied to the device every step) scale with it
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=max_len,
             ),
             device=args.device,
             attention_backend=args.attention_backend,

@@ -10,8 +10,14 @@ import sys
 from typing import NoReturn
 
 from engine_svc import envs
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
-from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    parse_size,
+)
 from engine_svc.lora.config import LoRAConfig, parse_lora_modules
 from engine_svc.lora.errors import LoRAError
 from engine_svc.model_source import (
@@ -84,24 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model name clients use and /v1/models shows (default: the --model repo id, "
         "or the checkpoint directory's name)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument("--host", default=ServerConfig.host, help="address to serve gRPC on")
+    p.add_argument(
+        "--port", type=int, default=ServerConfig.port, help="gRPC port (0: any free port)"
+    )
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=ModelConfig.dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weight and activation dtype; auto follows the checkpoint's config.json as vLLM "
         "does (float32 checkpoints run in bfloat16 on a GPU)",
     )
     p.add_argument(
         "--device",
-        default="auto",
+        default=EngineConfig.device,
         choices=["auto", "cpu", "cuda"],
         help="where the model runs (auto: CUDA when available, else the CPU)",
     )
     p.add_argument(
         "--attention-backend",
-        default="auto",
+        default=EngineConfig.attention_backend,
         choices=["auto", "torch", "cpu", "cuda"],
         help="auto: the C decode kernel on the CPU (torch if no C compiler), the CUDA kernels "
         "on CUDA (torch if CuPy is missing or their start-up check fails)",
@@ -137,20 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
         "max_position_embeddings, shortened to what the KV cache holds)",
     )
     p.add_argument(
-        "--max-num-seqs", type=int, default=64, help="requests running at once (default 64)"
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="requests running at once (default %(default)s)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=SchedulerConfig.max_num_batched_tokens,
         help="the token budget of one engine step; longer prompts are prefilled in chunks "
-        "(default 2048)",
+        "(default %(default)s)",
     )
     p.add_argument(
         "--block-size",
         type=int,
-        default=16,
-        help="tokens per KV cache block, a power of two (default 16)",
+        default=CacheConfig.block_size,
+        help="tokens per KV cache block, a power of two (default %(default)s)",
     )
     # vLLM spells it --no-enable-prefix-caching (and --enable-prefix-caching, the default).
     p.add_argument(
@@ -158,14 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-enable-prefix-caching",
         dest="no_prefix_caching",
         action="store_true",
-        default=False,
+        default=not CacheConfig.enable_prefix_caching,
         help="never reuse the KV blocks of a prompt prefix seen before",
     )
     p.add_argument(
         "--enable-prefix-caching",
         dest="no_prefix_caching",
         action="store_false",
-        default=False,
+        default=not CacheConfig.enable_prefix_caching,
         help="reuse the KV blocks of prompt prefixes seen before (the default)",
     )
     p.add_argument(
@@ -180,9 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
+        default=CacheConfig.gpu_memory_utilization,
         help="share of the GPU's memory the engine may fill, weights and KV cache together "
-        "(default 0.9); on the CPU the KV cache gets a fixed budget unless --kv-cache-memory",
+        "(default %(default)s); on the CPU the KV cache gets a fixed budget unless "
+        "--kv-cache-memory",
     )
     p.add_argument(
         "--num-kv-blocks",
@@ -197,18 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-waiting",
         type=int,
-        default=1024,
+        default=ServerConfig.max_waiting,
         help="waiting-queue limit: requests beyond it are refused with RESOURCE_EXHAUSTED",
     )
     p.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
-        help="the most logprobs (and prompt logprobs) a request may ask for (default 20)",
+        default=ModelConfig.max_logprobs,
+        help="the most logprobs (and prompt logprobs) a request may ask for (default %(default)s)",
     )
     p.add_argument(
         "--scheduling-policy",
-        default="fcfs",
+        default=SchedulerConfig.policy,
         choices=["fcfs", "priority"],
         help="fcfs: in arrival order; priority: by each request's priority (lower first), "
         "then arrival",
@@ -216,22 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=ServerConfig.shutdown_timeout_s,
         help="seconds running requests may take to finish after SIGTERM before they are "
-        "aborted (default 30)",
+        "aborted (default %(default)s)",
     )
     p.add_argument(
         "--stall-timeout",
         type=float,
-        default=60.0,
+        default=ServerConfig.stall_timeout_s,
         help="seconds the engine loop may go without finishing a step before health turns "
         "NOT_SERVING and new requests are refused (until it makes progress again)",
     )
     p.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="the engine's random seed, for requests without their own (default 0)",
+        default=ModelConfig.seed,
+        help="the engine's random seed, for requests without their own (default %(default)s)",
     )
     p.add_argument(
         "--pooling-type",
@@ -249,10 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     lora = p.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     lora.add_argument(
-        "--max-loras", type=int, default=1, help="adapters on the device at once (default 1)"
+        "--max-loras",
+        type=int,
+        default=LoRAConfig.max_loras,
+        help="adapters on the device at once (default %(default)s)",
     )
     lora.add_argument(
-        "--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)"
+        "--max-lora-rank",
+        type=int,
+        default=LoRAConfig.max_lora_rank,
+        help="largest adapter rank accepted (default %(default)s)",
     )
     lora.add_argument(
         "--max-cpu-loras",
@@ -303,8 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if too_late:
         logging.getLogger("engine_svc").warning(too_late)
-    from engine_svc.core.engine_core import EngineCore
-    from engine_svc.rpc.server import PortUnavailable, ServerConfig, serve
+    from engine_svc.engine_core import EngineCore
+    from engine_svc.rpc.server import PortUnavailable, serve
 
     def build() -> EngineCore:
         """Runs on the engine loop thread, so that all torch work happens on one thread (and
@@ -337,7 +355,6 @@ def main(argv: list[str] | None = None) -> None:
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len or args.max_num_batched_tokens,
                 policy=args.scheduling_policy,
             ),
             device=args.device,

@@ -1,18 +1,23 @@
-"""Engine configuration: frozen dataclasses built once, from the offline API or CLI flags.
+"""Engine configuration: frozen dataclasses built once, from the offline API or CLI flags. Their
+defaults are the only ones: ``python -m engine_svc`` and ``LLM`` take theirs from here.
 
-Facts found at run time (the number of KV blocks) live in ``KVCacheLayout``, never written back
-into these.
+Facts found at run time live apart, never written back into these: the number of KV blocks in
+``KVCacheLayout``, the served context length (the checkpoint's, or ``max_model_len``, shortened
+to what the KV cache holds) in ``ModelInfo`` and the ``Scheduler``.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from engine_svc.core.scheduler import SchedulerConfig
 from engine_svc.lora.config import LoRAConfig
 from kernels.attention_backends import BACKENDS
+
+if TYPE_CHECKING:  # the server imports grpc; python -m engine_svc must not before it starts
+    from engine_svc.rpc.tls import TlsConfig
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -75,6 +80,26 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits. (The context length is not one: it is found at load time.)"""
+
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -108,6 +133,31 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the engine serves, from the command line (``python -m engine_svc``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_waiting: int = 1024  # requests waiting beyond it are refused (RESOURCE_EXHAUSTED)
+    shutdown_timeout_s: float = 30.0
+    # No finished step for this long, with the loop busy, reads as stalled (NOT_SERVING).
+    stall_timeout_s: float = 60.0
+    version: str = "0.0.0"
+    tls: TlsConfig | None = None
+    # An extra plaintext port serving only grpc.health.v1, for probes that cannot do TLS.
+    health_port: int | None = None
+    # Freeze the heap once the engine is built (protos.gc_heap): what a server process
+    # wants; off for servers started inside a test process, whose heap is the test run's.
+    freeze_gc_heap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
 
 
 @dataclass(frozen=True)

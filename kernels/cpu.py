@@ -5,7 +5,7 @@ One shared library per (source, defines), compiled on first use with ``-O3 -marc
 ``-march=native`` build must never run on another CPU model). It is loaded with ctypes *after*
 torch: its OpenMP dependency (``libgomp.so.1``) then resolves to the copy torch already loaded,
 so kernels and torch share one OpenMP thread pool (two pools on a small machine make every
-barrier sleep; see engine_svc/engine_loop.py).
+barrier sleep; see engine_svc/loop/engine_loop.py).
 
 No compiler (or a failed build) raises :class:`CpuKernelUnavailable`; callers fall back to the
 torch reference.

@@ -30,35 +30,14 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
+from engine_svc.core.errors import DuplicateRequestError
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority"
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
-                f"({self.max_num_batched_tokens} < {self.max_model_len})"
-            )
+if TYPE_CHECKING:  # only read here; engine_svc.config pulls in the kernels (torch)
+    from engine_svc.config import SchedulerConfig
 
 
 class LoRASlots(Protocol):
@@ -100,6 +79,10 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's figures at one moment: gauges (requests running and waiting, KV cache
+    usage, requests per LoRA adapter) and the counters of the current interval (prefix-cache
+    queries and hits, preemptions), which ``Scheduler.take_stats`` starts again from zero."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -166,9 +149,21 @@ class _WaitingQueue:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, lora: LoRASlots | None = None
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        lora: LoRASlots | None = None,
     ) -> None:
+        """``max_model_len``: the longest prompt + output, a fact found when the engine is built
+        (the checkpoint's context, shortened to what the KV cache holds)."""
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({config.max_num_batched_tokens} < {max_model_len})"
+            )
         self.config = config
+        self.max_model_len = max_model_len
         self.kv = kv_manager
         self.lora = lora
         self.requests: dict[str, Request] = {}
@@ -181,23 +176,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
+        """Queue a request whose prompt was checked against the context length where it entered
+        the engine (``ModelInfo``: the gRPC edge, or ``EngineCore.add_request``)."""
         if request.request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already in use")
-        if request.is_pooling:  # prefill only: the whole context is the prompt's
-            if request.num_tokens > self.config.max_model_len:
-                raise ContextLengthError(
-                    f"prompt has {request.num_tokens} tokens; the model's context length is "
-                    f"{self.config.max_model_len}"
-                )
-        elif request.num_tokens >= self.config.max_model_len:
-            raise ContextLengthError(
-                f"prompt has {request.num_tokens} tokens; the model's context length is "
-                f"{self.config.max_model_len} and at least one token must be generated"
+        # Invariants the schedule relies on, not checks (those are ModelInfo's, and the engine
+        # serves a max_model_len the cache holds): a generation prompt leaves room for its first
+        # token within max_model_len (the runner's rows are max_model_len long), and no request
+        # needs more blocks than the whole cache (it would preempt all the others, then itself,
+        # forever).
+        # Raised, not asserted: they hold under python -O too, and a caller that skipped the
+        # checks gets an internal error rather than a loop that never ends.
+        room = 0 if request.is_pooling else 1
+        if request.num_tokens + room > self.max_model_len:
+            raise RuntimeError(
+                f"scheduler invariant: prompt has {request.num_tokens} tokens; "
+                f"max_model_len is {self.max_model_len}"
             )
         needed = -(-request.num_tokens // self.kv.block_size)
         if needed > self.kv.num_blocks:
-            raise ContextLengthError(
-                f"prompt needs {needed} KV blocks but the cache only has {self.kv.num_blocks}"
+            raise RuntimeError(
+                f"scheduler invariant: prompt needs {needed} KV blocks but the cache only has "
+                f"{self.kv.num_blocks}"
             )
         # A cached grammar is ready at once; one known not to compile raises its error here.
         if request.grammar is not None and not request.grammar.ready():
@@ -415,12 +415,14 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED  # the text is complete and its EOS accepted
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def stats(self) -> SchedulerStats:
-        prefix = self.kv.stats.reset()
+        """The figures now: the gauges, and the counters of the interval so far (since the last
+        ``take_stats``). A pure read: calling it twice gives the same figures."""
+        prefix = self.kv.stats
         stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -432,6 +434,14 @@ class Scheduler:
         if self.lora is not None:
             stats.running_lora_adapters = _per_adapter(self.running)
             stats.waiting_lora_adapters = dict(self.waiting.per_adapter)
+        return stats
+
+    def take_stats(self) -> SchedulerStats:
+        """``stats()``, then the interval's counters (prefix-cache queries and hits,
+        preemptions) start again from zero. ``EngineCore.step`` takes them once per step, so
+        each step's outputs carry that step's counts and every count is reported once."""
+        stats = self.stats()
+        self.kv.stats.reset()
         self._num_preemptions = 0
         return stats
 

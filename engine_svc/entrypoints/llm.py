@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from engine_svc import envs
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, parse_size
-from engine_svc.core.engine_core import EngineCore
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from engine_svc.core.request import FinishReason, Logprobs
-from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
-from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.engine_core import EngineCore
 from engine_svc.entrypoints.llm_pooling import PoolingMixin
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
@@ -82,30 +81,30 @@ class LLM(PoolingMixin):
         self,
         model: str | Path | None = None,
         *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_kv_blocks: int | None = None,
-        scheduling_policy: str = "fcfs",
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-        device: str = "auto",
-        attention_backend: str = "auto",
-        pad_decode_batches: bool | None = None,
-        enforce_eager: bool = False,
+        dtype: str = ModelConfig.dtype,
+        max_model_len: int | None = ModelConfig.max_model_len,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        block_size: int = CacheConfig.block_size,
+        enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
+        kv_cache_memory: int | str | None = CacheConfig.kv_cache_memory,
+        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+        num_kv_blocks: int | None = CacheConfig.num_kv_blocks,
+        scheduling_policy: str = SchedulerConfig.policy,
+        max_logprobs: int = ModelConfig.max_logprobs,
+        device: str = EngineConfig.device,
+        attention_backend: str = EngineConfig.attention_backend,
+        pad_decode_batches: bool | None = EngineConfig.pad_decode_batches,
+        enforce_eager: bool = EngineConfig.enforce_eager,
         cuda_graph_sizes: int | Sequence[int] | None = None,
-        seed: int = 0,
+        seed: int = ModelConfig.seed,
         served_model_name: str | None = None,
-        pooling_type: str | None = None,
+        pooling_type: str | None = ModelConfig.pooling_type,
         enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
+        max_loras: int = LoRAConfig.max_loras,
+        max_lora_rank: int = LoRAConfig.max_lora_rank,
+        max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
         profile_dir: str | Path | None = None,
         tokenizer: str | Path | None = None,
         revision: str | None = None,
@@ -158,7 +157,6 @@ class LLM(PoolingMixin):
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len or max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
                 policy=scheduling_policy,
             ),

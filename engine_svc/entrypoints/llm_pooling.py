@@ -23,9 +23,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.engine_core import EngineCore
 from engine_svc.lora.request import LoRARequest
 
 PromptType = str | dict[str, Any]

@@ -16,7 +16,7 @@ module is ``scaling * x @ A.T @ B.T`` (``LoRAWeights`` folds the scaling into B 
 
 Reading computes nothing with torch (the tensors stay as the file holds them; the finiteness
 check runs in numpy), so it may run on any thread without giving that thread an OpenMP pool of
-its own (see engine_loop.py: all the engine's torch work stays on the loop thread).
+its own (see loop/engine_loop.py: all the engine's torch work stays on the loop thread).
 """
 
 from __future__ import annotations

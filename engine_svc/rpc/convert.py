@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from engine_svc.core.engine_core import ModelInfo
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
+from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import PoolingParams, PoolingTask
 from engine_svc.core.request import FinishReason, Logprobs
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
-from engine_svc.engine_loop import LoadFigures, QueueFull, Unavailable
+from engine_svc.loop.clients import LoadFigures
+from engine_svc.loop.errors import QueueFull, Unavailable
 from engine_svc.lora.errors import LoRACapacityError, LoRANotFoundError
 from engine_svc.lora.registry import LoRAInfo
 from protos.tandem.engine.v1 import engine_pb2 as pb

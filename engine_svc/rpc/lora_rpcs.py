@@ -19,8 +19,10 @@ from typing import TypeVar
 
 import grpc
 
-from engine_svc.core.engine_core import EngineCore, ModelInfo
-from engine_svc.engine_loop import EngineLoop, Unavailable
+from engine_svc.core.model_info import ModelInfo
+from engine_svc.engine_core import EngineCore
+from engine_svc.loop.engine_loop import EngineLoop
+from engine_svc.loop.errors import Unavailable
 from engine_svc.lora.config import check_lora_name
 from engine_svc.lora.errors import (
     LoRACapacityError,

@@ -9,13 +9,14 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from engine_svc.core.engine_core import EngineCore
-from engine_svc.engine_loop import EngineLoop
+from engine_svc.config import ServerConfig
+from engine_svc.engine_core import EngineCore
+from engine_svc.loop.engine_loop import EngineLoop
+from engine_svc.loop.liveness import drain_and_abort
 from engine_svc.rpc import handlers, health, reflection
 from engine_svc.rpc.servicer import EngineServicer
 from engine_svc.rpc.tls import TlsConfig
@@ -47,31 +48,6 @@ class PortUnavailable(OSError):
     """The engine cannot listen where it was told to (the port is taken, or not ours)."""
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """How the engine serves, from the command line (``python -m engine_svc``)."""
-
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_waiting: int = 1024
-    shutdown_timeout_s: float = 30.0
-    # No finished step for this long, with the loop busy, reads as stalled (NOT_SERVING).
-    stall_timeout_s: float = 60.0
-    version: str = "0.0.0"
-    tls: TlsConfig | None = None
-    # An extra plaintext port serving only grpc.health.v1, for probes that cannot do TLS.
-    health_port: int | None = None
-    # Freeze the heap once the engine is built (engine_svc.gc_heap): what a server process
-    # wants; off for servers started inside a test process, whose heap is the test run's.
-    freeze_gc_heap: bool = False
-
-    def __post_init__(self) -> None:
-        if self.stall_timeout_s <= 0:
-            raise ValueError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
-
-
 async def serve(
     build: Callable[[], EngineCore],
     config: ServerConfig,
@@ -90,7 +66,7 @@ async def serve(
     for port in ports:
         _check_port_free(config.host, port)  # fail in a second, not after loading the model
     loop = EngineLoop(build, config.max_waiting, config.stall_timeout_s)
-    core = loop.start()  # the loop thread builds the engine: see engine_loop's docstring
+    core = loop.start()  # the loop thread builds the engine: see loop/engine_loop.py
     try:
         await _serve_built(loop, core, config, started, stop)
     finally:
@@ -147,7 +123,7 @@ async def _serve_built(
     watchdog.cancel()
     loop.draining = True
     await health_service.set_serving(False)
-    aborted = await asyncio.to_thread(loop.drain_and_abort, config.shutdown_timeout_s)
+    aborted = await asyncio.to_thread(drain_and_abort, loop, config.shutdown_timeout_s)
     if aborted:
         logger.warning("aborted %d requests still running at the shutdown timeout", aborted)
     await asyncio.sleep(0.2)  # let the last outputs reach their streams
@@ -167,7 +143,7 @@ async def _serve_built(
 
 async def _watch_progress(loop: EngineLoop, service: health.HealthService) -> None:
     """Keep health in step with the loop: NOT_SERVING while it is stalled or dead."""
-    interval = min(0.5, loop.stall_timeout_s / 4)
+    interval = min(0.5, loop.heartbeat.stall_timeout_s / 4)
     serving = True
     while True:
         await asyncio.sleep(interval)

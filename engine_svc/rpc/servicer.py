@@ -24,11 +24,13 @@ from typing import Any
 
 import grpc
 
-from engine_svc.core.engine_core import ModelInfo
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
+from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.engine_loop import ClientBatch, EngineLoop, QueueFull, Unavailable
+from engine_svc.loop.clients import ClientBatch
+from engine_svc.loop.engine_loop import EngineLoop
+from engine_svc.loop.errors import QueueFull, Unavailable
 from engine_svc.lora.errors import LoRAError
 from engine_svc.rpc import convert
 from engine_svc.rpc.handlers import Malformed

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import replace
 
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.engine_loop import ClientBatch
+from engine_svc.loop.clients import ClientBatch
 from protos.flow_window import FlowWindow
 
 

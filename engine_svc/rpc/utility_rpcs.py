@@ -21,7 +21,8 @@ from typing import TypeVar
 
 import grpc
 
-from engine_svc.engine_loop import EngineLoop, SleepCancelled, Unavailable
+from engine_svc.loop.engine_loop import EngineLoop
+from engine_svc.loop.errors import SleepCancelled, Unavailable
 from engine_svc.profiler import ProfilerError
 from protos.tandem.engine.v1 import engine_pb2 as pb
 

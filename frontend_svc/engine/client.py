@@ -10,9 +10,12 @@ falls behind takes several steps' outputs merged into one). The stream has a win
 time a window's worth has been read; an engine that outpaces this reader merges its steps instead
 of queueing them. A consumer that goes away (its generator is closed) makes the client send an
 abort. A pooling request (``pooling_params``) is answered by one final output whose ``pooled``
-holds its vector. When the stream breaks, every in-flight request gets an
-:class:`EngineUnavailableError` at once and the client reconnects with exponential backoff,
-fetching model info and the tokenizer again before it reports itself connected. The attempts
+holds its vector. :meth:`EngineClient.generate` is the one way to run a request, for the pool
+(which picks the engine and retries elsewhere) and for tests alike. When the stream breaks,
+every in-flight request gets an :class:`EngineUnavailableError` at once and the client
+reconnects with exponential backoff, fetching model info and the tokenizer again before it
+reports itself connected (:meth:`EngineEvents.connected
+<frontend_svc.engine.events.EngineEvents.connected>`, which may refuse it). The attempts
 keep that pace however long the engine is away; their log lines do not
 (:mod:`frontend_svc.engine.reconnect_log`).
 
@@ -30,20 +33,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterable,
-    Sequence,
-)
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine.collector import OutputCollector
+from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.health import HealthFollower
 from frontend_svc.engine.messages import (
     add_request,
@@ -61,7 +58,7 @@ from frontend_svc.engine.types import (
     EngineRequest,
     EngineRequestError,
     EngineUnavailableError,
-    LoadFigures,
+    FinishReason,
     LoraAdapter,
     ModelInfo,
     TokenizerFiles,
@@ -71,12 +68,6 @@ from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-OnConnect = Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]
-OnLoad = Callable[[LoadFigures], None]
-# Per engine message: prompt tokens of the requests whose first token it carries, tokens generated,
-# and when the message merges several engine steps, the engine's count of each one's tokens.
-OnStep = Callable[[int, int, Sequence[int]], None]
 
 # The gRPC status of a refused unary call, as the domain's code (anything else: INTERNAL).
 _CALL_STATUSES = {
@@ -95,24 +86,6 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # tokenizer chunks and long prompts
 ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
-class OpenRequest:
-    """A request sent on an engine stream (:meth:`EngineClient.open`): the reader puts its
-    outputs in ``collector``; :meth:`close` ends it, aborting it on the engine unless its last
-    output or its error has been taken (``collector.ended``)."""
-
-    __slots__ = ("client", "request_id", "epoch", "collector", "_closed")
-
-    def __init__(self, client: EngineClient, request_id: str, epoch: int) -> None:
-        self.client, self.request_id, self.epoch = client, request_id, epoch
-        self.collector = OutputCollector()
-        self._closed = False
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.client._release(self)
-
-
 class EngineClient:
     """Multiplexes many requests over one gRPC stream to one engine, reconnecting as needed."""
 
@@ -121,24 +94,19 @@ class EngineClient:
         address: str,
         backoff: BackoffConfig | None = None,
         rpc_timeout_s: float = 10.0,
-        on_connect: OnConnect | None = None,
-        on_load: OnLoad | None = None,
+        events: EngineEvents | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str | None = None,
-        on_disconnect: Callable[[], None] | None = None,
-        on_step: OnStep | None = None,
         window: int = 1,
     ) -> None:
+        """``events``: told of this engine's connection, load figures and token counts."""
         self.address = address
         self._window = window  # engine messages in flight unread; 0: no window
         self._credentials = credentials
         self._server_name = server_name
         self._backoff = backoff or BackoffConfig()
         self._rpc_timeout_s = rpc_timeout_s
-        self._on_connect = on_connect
-        self._on_load = on_load
-        self._on_disconnect = on_disconnect
-        self._on_step = on_step
+        self._events = events or EngineEvents()
         self._collectors: dict[str, OutputCollector] = {}
         self._outbox: asyncio.Queue[pb.EngineCoreRequest | None] | None = None
         self._epoch = 0  # bumped on every (re)connection; requests remember theirs
@@ -191,52 +159,49 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def open(self, request: EngineRequest) -> OpenRequest:
-        """Send ``request``; its outputs arrive in the returned handle's collector, which the
-        caller must ``close`` once it is done with it. Raises :class:`EngineUnavailableError`
-        when there is no engine. (:meth:`generate` wraps it; the pool reads the collector
-        itself, one async generator fewer per token.)"""
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Send ``request`` and yield its outputs until the one with a finish reason (a consumer
+        slower than the engine gets several steps' outputs merged into one).
+
+        Raises :class:`EngineRequestError` when the engine refuses or fails the request and
+        :class:`EngineUnavailableError` when there is no engine, the stream breaks, or the
+        engine aborts the request before its first output (it was draining: another engine
+        may take it). Closing the generator early aborts the request on the engine. Use it
+        under ``contextlib.aclosing``.
+        """
         outbox = self._outbox
         if outbox is None or not self.connected:
             raise EngineUnavailableError(self._unavailable_reason())
         rid = request.request_id
-        if rid in self._collectors:
+        collectors = self._collectors
+        if rid in collectors:
             raise ValueError(f"request id {rid!r} is already in flight")
-        handle = OpenRequest(self, rid, self._epoch)
-        self._collectors[rid] = handle.collector
+        collector = collectors[rid] = OutputCollector()
+        epoch = self._epoch
         outbox.put_nowait(pb.EngineCoreRequest(add=add_request(request)))
-        return handle
-
-    def _release(self, handle: OpenRequest) -> None:
-        if self._collectors.get(handle.request_id) is handle.collector:
-            del self._collectors[handle.request_id]
-        ended = handle.collector.ended
-        if not ended and handle.epoch == self._epoch and self._outbox is not None:
-            abort = pb.AbortRequest(request_ids=[handle.request_id])
-            self._outbox.put_nowait(pb.EngineCoreRequest(abort=abort))
-
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        """Send ``request`` and yield its outputs until the one with a finish reason.
-
-        Raises :class:`EngineRequestError` when the engine refuses or fails the request and
-        :class:`EngineUnavailableError` when there is no engine or the stream breaks. Closing the
-        generator early aborts the request on the engine. Use it under ``contextlib.aclosing``.
-        """
-        handle = self.open(request)
+        produced = False
         try:
+            # take() and wait() rather than ``await collector.get()``: a coroutine fewer to run
+            # for every token.
             while True:
-                item = await handle.collector.get()
-                yield item
-                if item.finished:
+                out = collector.take()
+                if out is None:
+                    await collector.wait()
+                    continue
+                if not produced and out.finish_reason is FinishReason.ABORT:
+                    raise EngineUnavailableError(f"engine {self.address} aborted the request")
+                produced = True
+                yield out
+                if out.finished:
                     return
         finally:
-            handle.close()  # aborts the request unless its last output or error was taken
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Ask the engine to abort requests (no-op when disconnected: they are gone anyway)."""
-        ids = list(request_ids)
-        if ids and self._outbox is not None:
-            self._outbox.put_nowait(pb.EngineCoreRequest(abort=pb.AbortRequest(request_ids=ids)))
+            # Aborts the request unless its last output or its error was taken
+            # (``collector.ended``): a consumer that stops after the last output leaves nothing.
+            if collectors.get(rid) is collector:
+                del collectors[rid]
+            if not collector.ended and epoch == self._epoch and self._outbox is not None:
+                abort = pb.AbortRequest(request_ids=[rid])
+                self._outbox.put_nowait(pb.EngineCoreRequest(abort=abort))
 
     # -- adapter and utility calls (unary rpcs) ---------------------------------------------
     #
@@ -363,9 +328,8 @@ class EngineClient:
                 await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._rpc_timeout_s)
             )
             files = await self._fetch_tokenizer(stub)
-            if self._on_connect is not None:
-                accepted = True
-                await self._on_connect(info, files)
+            accepted = True
+            await self._events.connected(self.address, info, files)
             if self._window:
                 flow = pb.FlowControl(window=self._window)
                 outbox.put_nowait(pb.EngineCoreRequest(flow=flow))
@@ -417,8 +381,8 @@ class EngineClient:
             outbox.put_nowait(None)
             if connected:
                 self._fail_in_flight(self.last_error or "connection lost")
-            if accepted and self._on_disconnect is not None:
-                self._on_disconnect()
+            if accepted:
+                self._events.disconnected(self.address)
             await channel.close(grace=None)
 
     async def _fetch_tokenizer(self, stub: pb_grpc.EngineStub) -> TokenizerFiles:
@@ -436,8 +400,8 @@ class EngineClient:
         return TokenizerFiles({k: bytes(v) for k, v in files.items()}, template)
 
     def _dispatch(self, message: pb.EngineCoreOutputs) -> None:
-        if message.HasField("load") and self._on_load is not None:
-            self._on_load(load_figures(message.load))
+        if message.HasField("load"):
+            self._events.load(self.address, load_figures(message.load))
         collectors = self._collectors
         prompt_tokens = generation_tokens = 0  # of the requests still listened to, as vLLM counts
         for out in message.outputs:
@@ -452,8 +416,8 @@ class EngineClient:
                     prompt_tokens += output.num_prompt_tokens
                 generation_tokens += num_new
                 collector.put(output)
-        if (generation_tokens or prompt_tokens) and self._on_step is not None:
-            self._on_step(prompt_tokens, generation_tokens, message.step_tokens)
+        if generation_tokens or prompt_tokens:
+            self._events.step(self.address, prompt_tokens, generation_tokens, message.step_tokens)
         for err in message.errors:
             collector = collectors.get(err.request_id)
             if collector is not None:

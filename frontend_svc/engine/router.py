@@ -1,6 +1,6 @@
 """Which engine gets a new request: the least loaded, unless one already holds its prompt prefix.
 
-Pure policy, no I/O (``engine_pool`` owns the connections and feeds this the figures).
+Pure policy, no I/O (the pool and its membership own the connections and feed this the figures).
 
 - Load of an engine = max(requests this gateway has in flight on it, running + waiting from the
   engine's latest load figures). The local count moves the instant a request is sent, so a burst

@@ -30,21 +30,14 @@ from frontend_svc.engine.types import (
     EngineUnavailableError,
     TokenLogprob,
 )
-from frontend_svc.errors import invalid_parameter
 from frontend_svc.generation.structured_errors import name_constraint_errors
-from frontend_svc.generation.token_constraints import resolve_token_constraints, truncated_prompt
+from frontend_svc.generation.token_constraints import PreparedPrompt, resolve_token_constraints
 from frontend_svc.protocol import SamplingOptions
 from frontend_svc.server.metrics import Metrics
 from frontend_svc.server.state import GatewayState
 from frontend_svc.text.output_processor import OutputProcessor, SequenceDelta
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    token_ids: tuple[int, ...]
-    max_tokens: int
 
 
 class _RandomBytes:
@@ -68,73 +61,6 @@ _random_bytes = _RandomBytes()
 def random_id(prefix: str) -> str:
     """``<prefix>-`` and 32 random hex digits (vLLM's ids are a uuid4's hex: 122 random bits)."""
     return f"{prefix}-{_random_bytes.take(16).hex()}"
-
-
-def prepare_prompt(
-    token_ids: Sequence[int],
-    requested_max_tokens: int | None,
-    max_model_len: int,
-    vocab_size: int,
-    prompt_param: str,
-    max_tokens_param: str,
-    min_tokens: int = 0,
-    num_tokens: int | None = None,
-    truncate_prompt_tokens: int | None = None,
-    keep_prefix: int = 0,
-) -> PreparedPrompt:
-    """Check the prompt against the context length and resolve max_tokens (default: the rest).
-
-    The length is checked before the ids are scanned, so a huge prompt costs no per-id work here.
-    ``num_tokens``: the prompt's length when ``token_ids`` holds only its first ids (a prompt
-    longer than the context, cut at tokenization). With ``truncate_prompt_tokens`` the prompt
-    is cut to its last ids first (``token_ids`` must then be the whole prompt; ``keep_prefix``:
-    see ``token_constraints.truncated_prompt``).
-    """
-    if truncate_prompt_tokens is not None:
-        token_ids = truncated_prompt(
-            token_ids,
-            truncate_prompt_tokens,
-            requested_max_tokens,
-            max_model_len,
-            max_tokens_param,
-            keep_prefix,
-        )
-        num_tokens = None
-    n = len(token_ids) if num_tokens is None else num_tokens
-    if n == 0:
-        raise invalid_parameter("The prompt is empty after tokenization.", prompt_param)
-    if n >= max_model_len:
-        raise invalid_parameter(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {n} tokens, which leaves no room for a completion. Please reduce the "
-            "length of the prompt.",
-            prompt_param,
-            code="context_length_exceeded",
-        )
-    if requested_max_tokens is not None and n + requested_max_tokens > max_model_len:
-        raise invalid_parameter(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {n + requested_max_tokens} tokens ({n} in the prompt, "
-            f"{requested_max_tokens} in the completion). Please reduce the length of the prompt "
-            f"or '{max_tokens_param}'.",
-            max_tokens_param,
-            code="context_length_exceeded",
-        )
-    bad = next((t for t in token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise invalid_parameter(
-            f"Token id {bad} is out of the vocabulary (size {vocab_size}).", prompt_param
-        )
-    max_tokens = max_model_len - n if requested_max_tokens is None else requested_max_tokens
-    if min_tokens > max_tokens:  # only when max_tokens was left to the rest of the context
-        raise invalid_parameter(
-            f"This model's maximum context length is {max_model_len} tokens and your prompt has "
-            f"{n}, which leaves room for {max_tokens} tokens, fewer than 'min_tokens' "
-            f"({min_tokens}).",
-            "min_tokens",
-            code="context_length_exceeded",
-        )
-    return PreparedPrompt(tuple(token_ids), max_tokens)
 
 
 def generate(
@@ -251,7 +177,7 @@ async def _pool_one(engines: EnginePool, metrics: Metrics, request: EngineReques
     final: EngineOutput | None = None
     try:
         async with contextlib.aclosing(engines.generate(request)) as outputs:
-            async for out in outputs:  # one output: the final one (an abort: raised by the pool)
+            async for out in outputs:  # one output: the final one (an abort: raised by the client)
                 final = out
     except asyncio.CancelledError:
         timer.aborted()  # the call was cancelled (its client left): the engine request aborted

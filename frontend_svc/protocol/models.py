@@ -2,8 +2,8 @@
 
 Every field the gateway takes, with its range and rules; what spans fields is checked by the
 models' validators (and stated in their JSON schema where JSON Schema can say it). What needs
-the served model (vocabulary, context length) is checked later: ``token_constraints``,
-``generation.prepare_prompt``. ``/openapi.json`` is generated from these models.
+the served model (vocabulary, context length) is checked later, in
+``generation.token_constraints``. ``/openapi.json`` is generated from these models.
 """
 
 from __future__ import annotations

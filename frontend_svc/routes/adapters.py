@@ -1,7 +1,7 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating).
 
 Served with ``--enable-runtime-lora-updating`` only (404 otherwise, as an unknown path). Both act
-on every engine behind the gateway (``EnginePool.add_lora`` / ``remove_lora``); a load that
+on every engine behind the gateway (``EngineFanOut.add_lora`` / ``remove_lora``); a load that
 fails anywhere is undone everywhere. Success is a plain-text sentence, as vLLM answers.
 """
 
@@ -31,14 +31,14 @@ async def load_lora_adapter(request: Request) -> Response:
         raise invalid_parameter(
             f"The name '{name}' is the served model's; give the adapter another.", "lora_name"
         )
-    await state.engines.refresh_adapters()  # one loaded through another gateway counts too
-    if state.engines.has_adapter(name):
+    await state.engines.fanout.refresh_adapters()  # one loaded through another gateway counts too
+    if state.engines.fanout.has_adapter(name):
         raise invalid_parameter(
             f"The lora adapter '{name}' has already been loaded.",
             "lora_name",
             code="already_exists",
         )
-    await state.engines.add_lora(name, body.lora_path, body.pin)
+    await state.engines.fanout.add_lora(name, body.lora_path, body.pin)
     logger.info("loaded LoRA adapter %s from %s", name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -48,8 +48,8 @@ async def unload_lora_adapter(request: Request) -> Response:
     state.require_engine()
     body = await parse_body(request, parse_unload_lora_adapter)
     name = body.lora_name
-    await state.engines.refresh_adapters()
-    if not state.engines.has_adapter(name):
+    await state.engines.fanout.refresh_adapters()
+    if not state.engines.fanout.has_adapter(name):
         raise ApiError(
             404,
             f"The lora adapter '{name}' cannot be found.",
@@ -57,7 +57,7 @@ async def unload_lora_adapter(request: Request) -> Response:
             param="lora_name",
             code="not_found",
         )
-    await state.engines.remove_lora(name)
+    await state.engines.fanout.remove_lora(name)
     logger.info("unloaded LoRA adapter %s", name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

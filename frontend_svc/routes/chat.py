@@ -21,9 +21,9 @@ from frontend_svc.generation.run import (
     UsageCounter,
     collect,
     generate,
-    prepare_prompt,
     random_id,
 )
+from frontend_svc.generation.token_constraints import prepare_prompt
 from frontend_svc.protocol import ChatRequest, parse_chat
 from frontend_svc.protocol.logprobs import (
     TOKEN_ID_TEXTS,

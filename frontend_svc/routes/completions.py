@@ -17,9 +17,9 @@ from frontend_svc.generation.run import (
     UsageCounter,
     collect,
     generate,
-    prepare_prompt,
     random_id,
 )
+from frontend_svc.generation.token_constraints import prepare_prompt
 from frontend_svc.protocol import CompletionRequest, parse_completion
 from frontend_svc.protocol.logprobs import (
     TOKEN_ID_TEXTS,

@@ -43,13 +43,13 @@ def _model_cards(request: Request) -> list[dict[str, Any]]:
         }
 
     cards = [card(base, info.model_source or info.served_model_name, None)]
-    cards += [card(a.name, a.path, base) for a in state.engines.adapters().values()]
+    cards += [card(a.name, a.path, base) for a in state.engines.fanout.adapters().values()]
     return cards
 
 
 async def list_models(request: Request) -> Response:
     # Adapters loaded through another gateway or worker show up within ADAPTER_REFRESH_S.
-    await gateway(request).engines.refresh_adapters(max_age_s=ADAPTER_REFRESH_S, wait=False)
+    await gateway(request).engines.fanout.refresh_adapters(max_age_s=ADAPTER_REFRESH_S, wait=False)
     return JSONResponse({"object": "list", "data": _model_cards(request)})
 
 
@@ -72,8 +72,8 @@ async def health(request: Request) -> Response:
     """
     state = gateway(request)
     if state.ready:
-        return JSONResponse({"status": "ok", "engines": state.engines.describe()})
-    return engine_unavailable(state.engines.unavailable_reason()).response()
+        return JSONResponse({"status": "ok", "engines": state.engines.members.describe()})
+    return engine_unavailable(state.engines.members.unavailable_reason()).response()
 
 
 async def live(request: Request) -> Response:

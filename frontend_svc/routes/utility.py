@@ -2,7 +2,7 @@
 /sleep?level=1|2, POST /wake_up, GET /is_sleeping, POST /start_profile, POST /stop_profile.
 
 Served with ``--enable-utility-endpoints`` only (404 otherwise, as an unknown path). Each call
-goes to every engine behind the gateway (``EnginePool``); /is_sleeping is true only when every
+goes to every engine behind the gateway (``EngineFanOut``); /is_sleeping is true only when every
 engine sleeps. Bodies as vLLM's: empty for sleep, wake_up and the profiler's start;
 ``{"success": bool}`` for the cache reset, ``{"is_sleeping": bool}``; /stop_profile adds where
 each engine wrote its trace (``{"trace_paths": [...]}``).
@@ -33,7 +33,7 @@ PATHS = (
 
 async def reset_prefix_cache(request: Request) -> Response:
     """``success`` is false when some engine kept the entries of blocks running requests use."""
-    success = await gateway(request).engines.reset_prefix_cache()
+    success = await gateway(request).engines.fanout.reset_prefix_cache()
     logger.info("prefix caches reset (complete: %s)", success)
     return JSONResponse({"success": success})
 
@@ -52,7 +52,7 @@ async def sleep(request: Request) -> Response:
             "'mode' must be 'wait': the engines finish their running requests before they sleep.",
             "mode",
         )
-    await gateway(request).engines.sleep(int(level))
+    await gateway(request).engines.fanout.sleep(int(level))
     logger.warning("engines put to sleep (level %s)", level)
     return Response(status_code=200)
 
@@ -63,24 +63,24 @@ async def wake_up(request: Request) -> Response:
             "'tags' is not supported: waking up restores the weights and the KV cache together.",
             "tags",
         )
-    await gateway(request).engines.wake_up()
+    await gateway(request).engines.fanout.wake_up()
     logger.info("engines woken up")
     return Response(status_code=200)
 
 
 async def is_sleeping(request: Request) -> Response:
-    return JSONResponse({"is_sleeping": await gateway(request).engines.is_sleeping()})
+    return JSONResponse({"is_sleeping": await gateway(request).engines.fanout.is_sleeping()})
 
 
 async def start_profile(request: Request) -> Response:
     """400 (the engine's message) when an engine has no profile directory or already profiles."""
-    await gateway(request).engines.start_profile()
+    await gateway(request).engines.fanout.start_profile()
     logger.info("profiler started")
     return Response(status_code=200)
 
 
 async def stop_profile(request: Request) -> Response:
-    paths = await gateway(request).engines.stop_profile()
+    paths = await gateway(request).engines.fanout.stop_profile()
     logger.info("profiler stopped: %s", ", ".join(paths))
     return JSONResponse({"trace_paths": paths})
 

@@ -51,6 +51,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from frontend_svc.config import shared_metrics_dir
+from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.types import EngineOutput, FinishReason, LoadFigures, ModelInfo
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -460,6 +461,34 @@ class Metrics:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_WithAliases(source))
         return generate_latest(registry)
+
+
+class MetricsEvents(EngineEvents):
+    """The engine events /metrics shows, handed to ``metrics``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def accepted(self, address: str, info: ModelInfo) -> None:
+        self.metrics.observe_engine_info(address, info)
+
+    def left(self, address: str) -> None:
+        self.metrics.forget_engine(address)
+
+    def load(self, address: str, load: LoadFigures) -> None:
+        self.metrics.observe_load(address, load)
+
+    def step(
+        self,
+        address: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        step_tokens: Sequence[int],
+    ) -> None:
+        self.metrics.observe_step(address, prompt_tokens, generation_tokens, step_tokens)
+
+    def routed(self, address: str, affinity_tokens: int) -> None:
+        self.metrics.observe_routed(address, affinity_tokens)
 
 
 class _SequenceChildren:

@@ -10,7 +10,7 @@ from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.pool import EnginePool
 from frontend_svc.engine.types import ModelInfo, TokenizerFiles
 from frontend_svc.errors import engine_unavailable, model_not_found
-from frontend_svc.server.metrics import Metrics
+from frontend_svc.server.metrics import Metrics, MetricsEvents
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
 from protos.gc_heap import freeze_startup_heap
@@ -22,15 +22,17 @@ logger = logging.getLogger(__name__)
 ADAPTER_REFRESH_S = 1.0
 
 
-class GatewayState:
-    """Holds the engine connections and what was learned from the engines when they connected."""
+class GatewayState(MetricsEvents):
+    """Holds the engine connections and what was learned from the engines when they connected;
+    it is the pool's observer (:class:`~frontend_svc.engine.events.EngineEvents`): an engine
+    connecting brings the tokenizer and model facts, the rest goes to the metrics."""
 
     def __init__(self, config: FrontendConfig, freeze_gc_heap: bool = False) -> None:
         """``freeze_gc_heap``: freeze the heap once the first tokenizer is built
         (``frontend_svc.gc_heap``), as a server process wants; not in a test's process."""
+        super().__init__(Metrics(config.served_model_name or ""))
         self.config = config
         self._freeze_gc_heap = freeze_gc_heap
-        self.metrics = Metrics(config.served_model_name or "")
         self.tokenizer: Tokenizer | None = None
         self._tokenizer_source: object = None  # what self.tokenizer was built from
         self.model_info: ModelInfo | None = None
@@ -38,17 +40,9 @@ class GatewayState:
         self.tool_parser: ToolParser | None = None
         if config.enable_auto_tool_choice and config.tool_call_parser is not None:
             self.tool_parser = get_tool_parser(config.tool_call_parser)
-        self.engines = EnginePool(
-            config,
-            on_connect=self._on_connect,
-            on_load=self.metrics.observe_load,
-            on_route=self.metrics.observe_routed,
-            on_leave=self.metrics.forget_engine,
-            on_accept=self.metrics.observe_engine_info,
-            on_step=self.metrics.observe_step,
-        )
+        self.engines = EnginePool(config, self)
 
-    async def _on_connect(self, info: ModelInfo, files: TokenizerFiles) -> None:
+    async def connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
         # An engine reconnecting (restarted, or one more replica) usually brings the tokenizer
         # already loaded; building a large one again would cost a second before serving.
         source = (files, info.vocab_size, info.bos_token_id, info.eos_token_ids)
@@ -72,7 +66,7 @@ class GatewayState:
 
     @property
     def ready(self) -> bool:
-        return self.engines.connected and self.tokenizer is not None
+        return self.engines.members.serving and self.tokenizer is not None
 
     @property
     def served_model_name(self) -> str | None:
@@ -83,7 +77,7 @@ class GatewayState:
     def require_engine(self) -> tuple[Tokenizer, ModelInfo]:
         """The tokenizer and model info, or a 503 when the engine is not connected."""
         if not self.ready or self.tokenizer is None or self.model_info is None:
-            raise engine_unavailable(self.engines.unavailable_reason())
+            raise engine_unavailable(self.engines.members.unavailable_reason())
         return self.tokenizer, self.model_info
 
     def check_model(self, model: str | None) -> str | None:
@@ -91,7 +85,7 @@ class GatewayState:
         is optional); 404 for anything else. No rpc: the adapters the engines reported."""
         if model is None or model == self.served_model_name:
             return None
-        if self.engines.has_adapter(model):
+        if self.engines.fanout.has_adapter(model):
             return model
         raise model_not_found(model)
 
@@ -99,9 +93,10 @@ class GatewayState:
         """:meth:`check_model`, but a name nobody here knows is looked for again on the engines
         first (at most every ``ADAPTER_REFRESH_S``), so an adapter loaded through another
         gateway or worker is found."""
-        if model is None or model == self.served_model_name or self.engines.has_adapter(model):
+        fanout = self.engines.fanout
+        if model is None or model == self.served_model_name or fanout.has_adapter(model):
             return self.check_model(model)
-        await self.engines.refresh_adapters(max_age_s=ADAPTER_REFRESH_S)
+        await fanout.refresh_adapters(max_age_s=ADAPTER_REFRESH_S)
         return self.check_model(model)
 
     def api_key_ok(self, authorization: str | None) -> bool:

@@ -1,14 +1,17 @@
-"""EngineClient against the fake engine: demultiplexing, per-request errors, abort on close."""
+"""EngineClient against the fake engine: demultiplexing, per-request errors, abort on close, the
+events it tells its observer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 import pytest
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.types import (
     EngineErrorCode,
     EngineRequest,
@@ -16,6 +19,9 @@ from frontend_svc.engine.types import (
     EngineSamplingParams,
     EngineUnavailableError,
     FinishReason,
+    LoadFigures,
+    ModelInfo,
+    TokenizerFiles,
 )
 from tests.frontend.fake_engine import FakeEngine
 from tests.frontend.harness import wait_for
@@ -178,3 +184,65 @@ def test_the_stream_window_is_sent_and_progress_reported_every_window(
     assert all(w == 0 for w, _ in engine.flow[1:])
     assert len(reads) >= 12 // window  # one message per token at least
     assert reads == list(range(window, window * len(reads) + 1, window))
+
+
+class _Recorder(EngineEvents):
+    """Every event, as (kind, address, detail)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, int | None]] = []
+
+    async def connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
+        self.seen.append(("connected", address, info.max_model_len))
+
+    def disconnected(self, address: str) -> None:
+        self.seen.append(("disconnected", address, None))
+
+    def load(self, address: str, load: LoadFigures) -> None:
+        self.seen.append(("load", address, load.num_running))
+
+    def step(self, address: str, prompt: int, generated: int, steps: Sequence[int]) -> None:
+        self.seen.append(("step", address, prompt + generated))
+
+
+def test_the_client_tells_its_observer_about_its_engine(engine: FakeEngine) -> None:
+    events = _Recorder()
+
+    async def scenario() -> None:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2), events=events)
+        client.start()
+        assert await client.wait_connected(5)
+        assert len(await _collect(client, request("r", max_tokens=6))) == 6
+        await client.close()
+
+    asyncio.run(scenario())
+    kinds = [kind for kind, _, _ in events.seen]
+    assert kinds[0] == "connected" and kinds[-1] == "disconnected" and "load" in kinds
+    assert events.seen[0] == ("connected", engine.address, 256)
+    assert {address for _, address, _ in events.seen} == {engine.address}
+    # every token once, and the prompt once with the first
+    assert sum(n or 0 for kind, _, n in events.seen if kind == "step") == 3 + 6
+
+
+def test_an_abort_before_the_first_output_is_unavailable(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draining engine ends a request still waiting with an ABORT and no token: the request
+    never ran there, so the client raises EngineUnavailableError (the pool moves it)."""
+    monkeypatch.setattr(engine, "step_s", 30.0)  # no token comes before the abort
+
+    async def scenario() -> None:
+        client = EngineClient(engine.address, BackoffConfig(0.05, 0.2))
+        client.start()
+        assert await client.wait_connected(5)
+        gen = client.generate(request("waiting", max_tokens=5))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.to_thread(wait_for, lambda: engine.num_in_flight == 1, 5, "the add")
+        assert engine._loop is not None
+        engine._loop.call_soon_threadsafe(engine.abort, ["waiting"])
+        with pytest.raises(EngineUnavailableError, match="aborted the request"):
+            await first
+        assert client.num_in_flight == 0
+        await client.close()
+
+    asyncio.run(scenario())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from frontend_svc.config import BackoffConfig, FrontendConfig, RoutingConfig
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.pool import EnginePool
 from frontend_svc.engine.targets import EngineTarget, parse_engine_targets
 from frontend_svc.engine.types import (
@@ -30,6 +31,7 @@ from frontend_svc.engine.types import (
     EngineSamplingParams,
     EngineUnavailableError,
     FinishReason,
+    LoadFigures,
     ModelInfo,
     TokenizerFiles,
 )
@@ -95,12 +97,22 @@ async def running_pool(
     config: FrontendConfig,
     on_connect: Callable[[ModelInfo, TokenizerFiles], Awaitable[None]] | None = None,
 ) -> AsyncIterator[EnginePool]:
-    pool = EnginePool(config, on_connect=on_connect)
+    pool = EnginePool(config, _Connecting(on_connect) if on_connect else None)
     pool.start()
     try:
         yield pool
     finally:
         await pool.close()
+
+
+class _Connecting(EngineEvents):
+    """Tells ``on_connect`` of every engine the pool accepts."""
+
+    def __init__(self, on_connect: Callable[[ModelInfo, TokenizerFiles], Awaitable[None]]) -> None:
+        self.on_connect = on_connect
+
+    async def connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
+        await self.on_connect(info, files)
 
 
 def request(rid: str, prompt: tuple[int, ...] = (5, 6, 7), max_tokens: int = 3) -> EngineRequest:
@@ -127,11 +139,11 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) 
 
 
 def usable(pool: EnginePool) -> set[str]:
-    return {str(d["address"]) for d in pool.describe() if d["serving"]}
+    return {str(d["address"]) for d in pool.members.describe() if d["serving"]}
 
 
 def entry(pool: EnginePool, address: str) -> dict[str, object] | None:
-    return next((d for d in pool.describe() if d["address"] == address), None)
+    return next((d for d in pool.members.describe() if d["address"] == address), None)
 
 
 def on(engine: FakeEngine, rids: list[str]) -> list[str]:
@@ -220,9 +232,8 @@ def test_parse_engine_targets_rejects_unbracketed_ipv6(spec: str) -> None:
 
 
 def test_a_request_closed_early_is_aborted_and_a_finished_one_is_not(engines: Engines) -> None:
-    # The pool reads each request's collector itself (not through EngineClient.generate), so it
-    # owns the abort: closing its generator mid-stream must abort the request on the engine, and
-    # closing it after the last output must not.
+    # Closing the pool's generator mid-stream must abort the request on the engine (through
+    # EngineClient.generate, which it runs), and closing it after the last output must not.
     a = engines.start()
 
     async def scenario() -> None:
@@ -262,7 +273,7 @@ def test_simultaneous_requests_split_evenly(engines: Engines) -> None:
             rids = [f"r{i}" for i in range(10)]
             await burst(rids)
             assert len(on(a, rids)) == 5 and len(on(b, rids)) == 5
-            assert pool.num_in_flight == 0
+            assert pool.members.num_in_flight == 0
 
             # one engine already runs a request (and has reported it): 9 more even things out
             held = pool.generate(request("held", max_tokens=200))
@@ -490,7 +501,7 @@ def test_all_engines_full_is_resource_exhausted(engines: Engines) -> None:
                 await complete(pool, request("r"))
             assert e.value.code is EngineErrorCode.RESOURCE_EXHAUSTED
             assert asked_a == asked_b == ["r"]  # each engine tried once
-            assert pool.num_in_flight == 0
+            assert pool.members.num_in_flight == 0
 
     engines.run(scenario())
 
@@ -564,7 +575,8 @@ def test_engine_with_another_model_is_refused(engines: Engines) -> None:
 def test_engines_of_different_models_connecting_together_are_not_both_accepted(
     engines: Engines,
 ) -> None:
-    # The gateway's on_connect loads the tokenizer (an await); engines connect concurrently.
+    # The gateway's EngineEvents.connected loads the tokenizer (an await); engines connect
+    # concurrently.
     a, b = engines.start(), engines.start(model_name="another-model")
 
     async def slow_tokenizer_load(info: ModelInfo, files: TokenizerFiles) -> None:
@@ -575,7 +587,7 @@ def test_engines_of_different_models_connecting_together_are_not_both_accepted(
         async with running_pool(config, on_connect=slow_tokenizer_load) as pool:
             await until(lambda: bool(usable(pool)), "an engine")
             await asyncio.sleep(0.6)  # time for the other one to connect or be refused
-            assert len(usable(pool)) == 1, pool.describe()
+            assert len(usable(pool)) == 1, pool.members.describe()
 
     engines.run(scenario())
 
@@ -600,6 +612,55 @@ def test_shorter_context_engine_tightens_the_limit(engines: Engines) -> None:
             await asyncio.to_thread(a.start, a.port)
             await until(lambda: len(usable(pool)) == 2, "the first engine to reconnect")
             assert seen == [256, 128, 128]
+
+    engines.run(scenario())
+
+
+class _Recorder(EngineEvents):
+    """Every event the pool tells its observer, as (kind, address)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+        self.generated = 0
+
+    async def connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
+        self.seen.append(("connected", address))
+
+    def accepted(self, address: str, info: ModelInfo) -> None:
+        self.seen.append(("accepted", address))
+
+    def disconnected(self, address: str) -> None:
+        self.seen.append(("disconnected", address))
+
+    def load(self, address: str, load: LoadFigures) -> None:
+        self.seen.append(("load", address))
+
+    def step(self, address: str, prompt: int, generated: int, steps: Sequence[int]) -> None:
+        self.seen.append(("step", address))
+        self.generated += generated
+
+    def routed(self, address: str, affinity_tokens: int) -> None:
+        self.seen.append(("routed", address))
+
+
+def test_the_pool_tells_its_observer_about_every_engine(engines: Engines) -> None:
+    a = engines.start()
+    events = _Recorder()
+
+    async def scenario() -> None:
+        pool = EnginePool(pool_config(a.address), events)
+        pool.start()
+        try:
+            await until(lambda: usable(pool) == {a.address}, "the engine")
+            assert events.seen[:2] == [("connected", a.address), ("accepted", a.address)]
+            del events.seen[:2]
+            assert len(await complete(pool, request("r", max_tokens=4))) == 4
+            assert events.seen[0] == ("routed", a.address) and events.generated == 4
+            assert {kind for kind, _ in events.seen} == {"routed", "load", "step"}
+            await asyncio.to_thread(a.stop)
+            await until(lambda: ("disconnected", a.address) in events.seen, "the disconnection")
+        finally:
+            await pool.close()
 
     engines.run(scenario())
 
@@ -655,8 +716,8 @@ def test_dns_answers_change_engines_join_and_retire(engines: Engines) -> None:
 
             # a failed lookup keeps the last answer
             answers = None
-            await until(lambda: pool.last_error is not None, "the failed lookup")
-            assert "cannot resolve" in str(pool.last_error)
+            await until(lambda: pool.members.last_error is not None, "the failed lookup")
+            assert "cannot resolve" in str(pool.members.last_error)
             await asyncio.sleep(0.15)
             assert usable(pool) == {a.address, b.address}
 
@@ -698,8 +759,8 @@ def test_dns_name_that_never_resolves(engines: Engines) -> None:
         loop.getaddrinfo = getaddrinfo  # type: ignore[assignment,method-assign]
         config = pool_config("dns:///nowhere.test:50051", resolve_interval_s=0.05)
         async with running_pool(config) as pool:
-            assert not await pool.wait_connected(0.2)
-            reason = pool.unavailable_reason()
+            assert not await pool.members.wait_serving(0.2)
+            reason = pool.members.unavailable_reason()
             assert "nowhere.test" in reason and "cannot resolve" in reason
             with pytest.raises(EngineUnavailableError):
                 await complete(pool, request("r"))

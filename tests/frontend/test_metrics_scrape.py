@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from frontend_svc.engine.pool import EnginePool
-from frontend_svc.server.metrics import Metrics
+from frontend_svc.server.metrics import Metrics, MetricsEvents
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
 from tests.frontend.test_engine_pool import (
@@ -199,11 +199,7 @@ def test_gauges_of_an_engine_that_left_are_removed(fleet: Engines) -> None:
         loop.getaddrinfo = getaddrinfo  # type: ignore[assignment,method-assign]
         pool = EnginePool(
             pool_config(f"dns:///{name}:{a.port}", resolve_interval_s=0.05),
-            on_load=metrics.observe_load,
-            on_route=metrics.observe_routed,
-            on_leave=metrics.forget_engine,
-            on_accept=metrics.observe_engine_info,
-            on_step=metrics.observe_step,
+            MetricsEvents(metrics),
         )
         pool.start()
         try:

@@ -10,10 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-from engine_svc.core.engine_core import EngineCore
-from engine_svc.core.scheduler import SchedulerConfig
-from engine_svc.rpc.server import ServerConfig, serve
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from engine_svc.engine_core import EngineCore
+from engine_svc.rpc.server import serve
 from tests.integration.harness import free_port
 
 

@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as refl
 
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.engine_loop import ClientBatch, EngineLoop
+from engine_svc.loop.clients import ClientBatch
+from engine_svc.loop.engine_loop import EngineLoop
 from engine_svc.rpc import servicer as servicer_module
 from engine_svc.rpc.server import SERVER_OPTIONS, _add_port
 from protos.tandem.engine.v1 import engine_pb2 as pb

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_svc.core.engine_core import EngineCore
 from engine_svc.default_model import ensure_default_model
+from engine_svc.engine_core import EngineCore
 from tests.frontend.harness import GatewayServer
 from tests.integration.inprocess import InProcessEngine, tiny_core
 

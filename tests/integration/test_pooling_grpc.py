@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-from engine_svc.core.engine_core import EngineCore
-from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_svc.engine_core import EngineCore
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 from tests.integration.grpc_util import StreamSession, add_request, generate

@@ -290,23 +290,29 @@ def test_the_gateways_client_under_other_windows_gets_every_token(
 
 def test_the_gateways_client_hands_on_each_merged_steps_tokens(engine: Engine) -> None:
     """A gateway whose loop stalls gets the steps merged; what it reports per engine message
-    (its on_step, behind vllm:iteration_tokens_total) then carries the engine's count of each
+    (its step event, behind vllm:iteration_tokens_total) then carries the engine's count of each
     step, and over the run the counts add up to the prompt once plus every token."""
     import asyncio
     import contextlib
+    from collections.abc import Sequence
 
     from frontend_svc.config import BackoffConfig
     from frontend_svc.engine.client import EngineClient
+    from frontend_svc.engine.events import EngineEvents
     from frontend_svc.engine.types import EngineRequest, EngineSamplingParams
 
     calls: list[tuple[int, int, list[int]]] = []
+
+    class Steps(EngineEvents):
+        def step(self, address: str, prompt: int, generated: int, steps: Sequence[int]) -> None:
+            calls.append((prompt, generated, list(steps)))
 
     async def scenario() -> None:
         client = EngineClient(
             engine.address,
             BackoffConfig(0.05, 0.2),
             window=1,
-            on_step=lambda p, g, steps: calls.append((p, g, list(steps))),
+            events=Steps(),
         )
         client.start()
         try:

@@ -14,9 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-from engine_svc.core.engine_core import EngineCore
-from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_svc.engine_core import EngineCore
 from engine_svc.rpc import handlers
 from engine_svc.rpc.servicer import EngineServicer
 from protos.tandem.engine.v1 import engine_pb2 as pb

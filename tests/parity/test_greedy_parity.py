@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine_svc import LLM, SamplingParams
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-from engine_svc.core.engine_core import EngineCore
-from engine_svc.core.scheduler import SchedulerConfig
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_svc.engine_core import EngineCore
 from tests.parity.hf_reference import hf_greedy, load_hf
 
 # Lengths on and around block boundaries (block_size 16), plus longer ones.

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from engine_svc import LLM, PoolingParams, SamplingParams
-from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-from engine_svc.core.engine_core import EngineCore
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.sampling_params import StructuredOutputParams
-from engine_svc.core.scheduler import SchedulerConfig, SchedulerOutput
+from engine_svc.core.scheduler import SchedulerOutput
+from engine_svc.engine_core import EngineCore
 from tests.parity.pooling_reference import TOL
 from tests.parity.pooling_reference import pool_states as _pool
 from tests.parity.pooling_reference import random_prompts as _prompts

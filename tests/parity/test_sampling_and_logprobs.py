@@ -152,9 +152,8 @@ def test_prompt_logprobs_survive_preemption_during_chunked_prefill(
 ) -> None:
     """A request preempted mid-prefill recomputes its chunks; its prompt logprobs must still
     come back once per prompt token (they used to be appended again: 97 for 40 tokens)."""
-    from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-    from engine_svc.core.engine_core import EngineCore
-    from engine_svc.core.scheduler import SchedulerConfig
+    from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine_svc.engine_core import EngineCore
 
     model_dir = tiny_models["qwen3"]
     engine = EngineCore(

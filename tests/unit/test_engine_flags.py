@@ -12,6 +12,14 @@ import pytest
 from huggingface_hub import constants
 
 from engine_svc.__main__ import UsageError, _model_dir, build_parser, main, parse_args
+from engine_svc.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from engine_svc.lora.config import LoRAConfig
 from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL
 from tests.hub_cache import add_to_hub_cache
 
@@ -97,3 +105,39 @@ def test_a_hub_model_is_served_under_its_repo_id(
     assert _model_dir(named) == (str(snapshot), "mine")
     # A directory is served under its name, as before (EngineCore: the directory's name).
     assert _model_dir(parse_args(["--model", str(snapshot)])) == (str(snapshot), None)
+
+
+def test_flag_defaults_are_the_configs_defaults() -> None:
+    """A default is written once, in its config dataclass (engine_svc/config.py); the command
+    line takes it from there, so the two never drift apart."""
+    args = parse_args([])
+    model, cache, sched = ModelConfig("m"), CacheConfig(), SchedulerConfig()
+    server, lora = ServerConfig(), LoRAConfig()
+    assert (args.dtype, args.seed, args.max_logprobs) == (
+        model.dtype,
+        model.seed,
+        model.max_logprobs,
+    )
+    assert args.max_model_len is None  # the checkpoint's context, found at load time
+    assert (args.block_size, args.gpu_memory_utilization, not args.no_prefix_caching) == (
+        cache.block_size,
+        cache.gpu_memory_utilization,
+        cache.enable_prefix_caching,
+    )
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy) == (
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+        sched.policy,
+    )
+    engine = EngineConfig(model)
+    assert (args.device, args.attention_backend) == (engine.device, engine.attention_backend)
+    assert (args.host, args.port, args.max_waiting) == (
+        server.host,
+        server.port,
+        server.max_waiting,
+    )
+    assert (args.shutdown_timeout, args.stall_timeout) == (
+        server.shutdown_timeout_s,
+        server.stall_timeout_s,
+    )
+    assert (args.max_loras, args.max_lora_rank) == (lora.max_loras, lora.max_lora_rank)

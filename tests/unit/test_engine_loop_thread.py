@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine_svc.engine_loop import EngineLoop
+from engine_svc.loop.engine_loop import EngineLoop
 
 
 class _FakeCore:

@@ -8,10 +8,11 @@ import random
 
 import pytest
 
+from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.core.scheduler import Scheduler, SchedulerConfig
+from engine_svc.core.scheduler import Scheduler
 from engine_svc.lora.registry import LoRARegistry
 
 BS = 4
@@ -22,7 +23,7 @@ def setup(max_loras: int, names: str = "abcd") -> tuple[Scheduler, LoRARegistry]
     for name in names:
         reg.add(name, f"/{name}", 8)
     kv = KVCacheManager(64, BS)
-    return Scheduler(SchedulerConfig(max_num_seqs=8), kv, reg), reg  # type: ignore[arg-type]
+    return Scheduler(SchedulerConfig(max_num_seqs=8), kv, 2048, reg), reg  # type: ignore[arg-type]
 
 
 def req(reg: LoRARegistry, rid: str, lora: str | None, prompt: list[int] | None = None) -> Request:
@@ -87,7 +88,7 @@ def test_the_waiting_queues_adapter_counts_stay_exact(policy: str) -> None:
     for name in "abcd":
         reg.add(name, f"/{name}", 8)
     kv = KVCacheManager(16, BS)  # small: long requests get preempted
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, policy=policy), kv, reg)  # type: ignore[arg-type]
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, policy=policy), kv, 2048, reg)  # type: ignore[arg-type]
     live: list[str] = []
     preemptions = 0
     for i in range(120):
@@ -108,7 +109,7 @@ def test_the_waiting_queues_adapter_counts_stay_exact(policy: str) -> None:
             if r.lora_name is not None:
                 recount[r.lora_name] = recount.get(r.lora_name, 0) + 1
         assert sched.waiting.per_adapter == recount
-        stats = sched.stats()
+        stats = sched.take_stats()  # this step's counters, as EngineCore.step takes them
         assert stats.waiting_lora_adapters == recount
         preemptions += stats.num_preemptions
     assert preemptions > 0  # the scenario did preempt (requests went back to waiting)

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from engine_svc import LLM
+from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.request import FinishReason, PhaseTimes, Request
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.core.scheduler import Scheduler, SchedulerConfig
+from engine_svc.core.scheduler import Scheduler
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int) -> Request:
@@ -31,7 +32,7 @@ def test_each_phase_runs_until_the_next_begins() -> None:
 
 
 def test_the_first_admission_is_stamped_and_a_preemption_keeps_it() -> None:
-    sched = Scheduler(SchedulerConfig(), KVCacheManager(3, 4, enable_caching=False))
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(3, 4, enable_caching=False), 2048)
     a, b = _request("a", 4, 5), _request("b", 4, 2)
     sched.add_request(a)
     sched.add_request(b)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_svc.core.engine_core import ModelInfo
+from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import ModelTasks, PoolingTask, PoolingType
 from engine_svc.core.request import FinishReason

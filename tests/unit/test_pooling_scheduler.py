@@ -13,11 +13,13 @@ import sys
 
 import pytest
 
+from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.pooling_params import PoolingParams, PoolingTask, PoolingType
 from engine_svc.core.request import FinishReason, Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine_svc.core.scheduler import Scheduler, SchedulerOutput
+from tests.unit.model_info import model_info
 
 BS = 4
 TOK = 5
@@ -25,9 +27,9 @@ TOK = 5
 Plan = list[tuple[str, int, list[int]]]
 
 
-def _sched(num_blocks: int = 10, **config: object) -> Scheduler:
+def _sched(num_blocks: int = 10, max_model_len: int = 2048, **config: object) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_caching=True)
-    return Scheduler(SchedulerConfig(**config), kv)  # type: ignore[arg-type]
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len)  # type: ignore[arg-type]
 
 
 def _tokens(rid: str, n: int) -> list[int]:
@@ -153,11 +155,19 @@ def test_last_pooling_reads_the_prefix_cache_mean_and_cls_do_not() -> None:
 
 
 def test_pooling_prompt_may_fill_max_model_len() -> None:
+    """The rule is ModelInfo's (checked where a request enters the engine); the scheduler takes
+    a pooling prompt as long as the context and asserts the invariant it relies on."""
+    info = model_info(max_model_len=16)
     sched = _sched(max_model_len=16)
+    info.check_prompt(_pool("full", 16).prompt_token_ids, pooling=True)
     sched.add_request(_pool("full", 16))
     with pytest.raises(ValueError, match="context length is 16"):
-        sched.add_request(_pool("over", 17))
+        info.check_prompt(_pool("over", 17).prompt_token_ids, pooling=True)
     with pytest.raises(ValueError, match="at least one token must be generated"):
+        info.check_prompt(_gen("gen", 16).prompt_token_ids)
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        sched.add_request(_pool("over", 17))
+    with pytest.raises(RuntimeError, match="max_model_len"):
         sched.add_request(_gen("gen", 16))
     assert list(sched.requests) == ["full"]
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
-from engine_svc.engine_loop import Draining, QueueFull
+from engine_svc.loop.errors import Draining, QueueFull
 from engine_svc.rpc import convert
 from engine_svc.rpc.servicer import _status_code
 from protos.tandem.engine.v1 import engine_pb2 as pb

@@ -10,10 +10,12 @@ from collections.abc import Mapping
 
 import pytest
 
+from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import FinishReason, Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine_svc.core.scheduler import Scheduler, SchedulerOutput
+from tests.unit.model_info import model_info
 
 BS = 4
 EOS = 2
@@ -22,9 +24,11 @@ TOK = 5  # the token "sampled" unless a test says otherwise: never EOS
 Plan = list[tuple[str, int, list[int]]]
 
 
-def _sched(num_blocks: int = 10, caching: bool = True, **config: object) -> Scheduler:
+def _sched(
+    num_blocks: int = 10, caching: bool = True, max_model_len: int = 2048, **config: object
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
-    return Scheduler(SchedulerConfig(**config), kv)  # type: ignore[arg-type]
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len)  # type: ignore[arg-type]
 
 
 def _req(
@@ -81,17 +85,24 @@ def test_config_validation() -> None:
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=0)
+    # max_model_len is found at load time: the scheduler checks the budget against it.
     with pytest.raises(ValueError, match="chunked prefill"):
-        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=8, max_model_len=16)
-    SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=16)
+        _sched(enable_chunked_prefill=False, max_num_batched_tokens=8, max_model_len=16)
+    _sched(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=16)
 
 
 def test_add_request_rejects_prompt_at_max_model_len() -> None:
+    """The rule is ModelInfo's, checked where a request enters the engine; the scheduler only
+    asserts the invariant it relies on (room for the first token)."""
+    info = model_info(max_model_len=16)
     sched = _sched(max_model_len=16)
     with pytest.raises(ValueError, match="context length is 16"):
-        sched.add_request(_req("a", 16, 1.0))
+        info.check_prompt(_req("a", 16, 1.0).prompt_token_ids)
     with pytest.raises(ValueError, match="context length"):
-        sched.add_request(_req("b", 17, 1.0))
+        info.check_prompt(_req("b", 17, 1.0).prompt_token_ids)
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        sched.add_request(_req("a", 16, 1.0))
+    info.check_prompt(_req("c", 15, 1.0).prompt_token_ids)
     sched.add_request(_req("c", 15, 1.0))
     assert list(sched.requests) == ["c"]
 
@@ -105,8 +116,10 @@ def test_add_request_rejects_duplicate_id() -> None:
 
 
 def test_add_request_rejects_prompt_larger_than_the_cache() -> None:
+    """An invariant the scheduler asserts (the engine serves a max_model_len the cache holds,
+    and ModelInfo refuses longer prompts before they get here)."""
     sched = _sched(num_blocks=2)
-    with pytest.raises(ValueError, match="needs 3 KV blocks"):
+    with pytest.raises(RuntimeError, match="needs 3 KV blocks"):
         sched.add_request(_req("a", 9, 1.0))
     sched.add_request(_req("b", 8, 1.0))
 
@@ -582,34 +595,53 @@ def test_finished_ids_are_reported_once_in_the_next_output() -> None:
 
 
 def test_stats() -> None:
+    """``take_stats`` ends an interval (as ``EngineCore.step`` does once per step): the
+    counters after it are the next interval's."""
     sched = _sched(max_num_seqs=1)
     prefix = list(range(100, 108))
     sched.add_request(_req("a", prefix + [1, 2], 1.0, max_tokens=1))
     sched.add_request(_req("b", prefix + [3, 4], 2.0, max_tokens=1))
     _step(sched)
-    st = sched.stats()
+    st = sched.take_stats()
     assert (st.num_running, st.num_waiting) == (0, 1)
     assert st.kv_cache_usage == 0.0  # a finished and gave its three blocks back
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (10, 0)
 
     sched.schedule()  # b admitted with an 8-token hit; left running (no update)
-    st = sched.stats()
+    st = sched.take_stats()
     assert (st.num_running, st.num_waiting) == (1, 0)
     assert st.kv_cache_usage == pytest.approx(0.3)
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (10, 8)
-    st = sched.stats()
+    st = sched.take_stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (0, 0)
 
 
-def test_stats_preemption_count_resets_after_read() -> None:
+def test_stats_is_a_pure_read() -> None:
+    """Reading the figures changes nothing: twice in a row they are the same, counters
+    included; only ``take_stats`` starts the counters again."""
+    sched = _sched(num_blocks=2)
+    prefix = list(range(100, 104))
+    sched.add_request(_req("a", prefix, 1.0))
+    sched.add_request(_req("b", prefix, 2.0))
+    _step(sched)
+    _step(sched)  # b needs a block: the pool is full, b is preempted
+    first, second = sched.stats(), sched.stats()
+    assert first == second
+    assert first.num_preemptions == 1 and first.prefix_cache_queries == 8
+    assert sched.kv.stats.queries == 8  # the KV manager's counters untouched too
+    assert sched.take_stats() == first
+    assert sched.stats().num_preemptions == 0 and sched.stats().prefix_cache_queries == 0
+
+
+def test_stats_preemption_count_resets_when_taken() -> None:
     sched = _sched(num_blocks=2)
     sched.add_request(_req("a", 4, 1.0))
     sched.add_request(_req("b", 4, 2.0))
     _step(sched)
     out, _ = _step(sched)
     assert out.preempted_ids == ["b"]
-    assert sched.stats().num_preemptions == 1
-    assert sched.stats().num_preemptions == 0
+    assert sched.take_stats().num_preemptions == 1
+    assert sched.take_stats().num_preemptions == 0
 
 
 def test_full_run_returns_every_block() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.request import FinishReason, Logprobs, PhaseTimes
-from engine_svc.engine_loop import ClientBatch, LoadFigures
+from engine_svc.loop.clients import ClientBatch, LoadFigures
 from engine_svc.rpc.stream_outbox import StreamOutbox
 
 

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
-from engine_svc.core.scheduler import Scheduler, SchedulerConfig
+from engine_svc.core.scheduler import Scheduler
 from engine_svc.default_model import build_tokenizer
 from engine_svc.structured_output import GrammarError, RequestGrammar, StructuredOutputManager
 from engine_svc.structured_output.bitmask import GrammarBitmask
@@ -304,7 +305,7 @@ class _FakeGrammar:
 
 
 def _sched(num_blocks: int = 10, caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, 4, enable_caching=caching))
+    return Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, 4, enable_caching=caching), 2048)
 
 
 def _req(rid: str, n: int, grammar: _FakeGrammar | None = None, **params: Any) -> Request:
@@ -518,8 +519,8 @@ def test_sampler_with_penalties_draws_only_allowed_tokens(
 @pytest.fixture(scope="module")
 def engine_core(cache_dir: Path) -> Any:
     from engine_svc.config import CacheConfig, EngineConfig, ModelConfig
-    from engine_svc.core.engine_core import EngineCore
     from engine_svc.default_model import default_model_dir
+    from engine_svc.engine_core import EngineCore
 
     config = EngineConfig(
         model=ModelConfig(str(default_model_dir()), dtype="float32"),

@@ -7,16 +7,8 @@ Other work on the engine (LoRA adapters added, removed, pinned; utility calls) g
 same queue as a call (``call``): it runs between two steps, in order with the requests queued
 before and after it, and its result comes back on a future.
 
-Sleep mode (``sleep`` / ``wake_up``): from the moment ``sleep`` is called the engine refuses new
-requests (``Asleep``, an ``Unavailable``: health NOT_SERVING), while the ones already taken in
-run to their end; once none is left the core goes to sleep and the future resolves. While asleep
-the loop never steps, but it still drains its queue (calls, aborts) and keeps its heartbeat fresh,
-so the stall detector never takes a sleeping engine for a stalled one. ``wake_up`` wakes it (or
-cancels a sleep still waiting for its requests: that ``sleep`` future fails with
-``SleepCancelled``).
-
-Request ids are scoped per client: two clients may both send "req-1". Internally a request is
-``"{client}/{id}"``; outputs go back under the client's own id.
+The rest of the loop's state has a module each beside this one: the clients and their request
+ids (``clients.py``), sleep mode (``sleep.py``), stall detection and draining (``liveness.py``).
 
 The loop thread also *builds* the engine core, so that every torch operation of the engine runs on
 this one thread. PyTorch's CPU kernels use OpenMP (libgomp), which gives each thread that starts
@@ -32,89 +24,26 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine_svc.core.engine_core import EngineCore
+from engine_svc.config import ServerConfig
 from engine_svc.core.errors import DuplicateRequestError
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import PoolingParams
-from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.core.scheduler import SchedulerStats
+from engine_svc.engine_core import EngineCore
+from engine_svc.loop.clients import ClientBatch, Clients, LoadFigures, Sink, internal_id
+from engine_svc.loop.errors import Asleep, Draining, QueueFull, SleepCancelled, Unavailable
+from engine_svc.loop.liveness import Heartbeat
+from engine_svc.loop.sleep import SleepMode, settle
 from engine_svc.worker.sleep_mode import check_sleep_level
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _IDLE_WAIT_S = 0.5  # an idle loop wakes this often, so its heartbeat stays fresh
-
-
-@dataclass(frozen=True, slots=True)
-class LoadFigures:
-    """Cumulative counters plus the latest gauges, as every client message carries them. A
-    snapshot: each step makes a new one (``after``), so a message built on the server's event
-    loop while the loop thread steps on reads one step's figures, never a mix of two."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    # The LoRA adapters (names, sorted) of the running and of the waiting requests.
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
-
-    def after(self, s: SchedulerStats) -> LoadFigures:
-        """These figures after a step whose scheduler stats are ``s``."""
-        return LoadFigures(
-            s.num_running,
-            s.num_waiting,
-            s.kv_cache_usage,
-            self.prefix_cache_queries + s.prefix_cache_queries,
-            self.prefix_cache_hits + s.prefix_cache_hits,
-            self.num_preemptions + s.num_preemptions,
-            # (Empty unless LoRA is on.)
-            tuple(sorted(r)) if (r := s.running_lora_adapters) else (),
-            tuple(sorted(w)) if (w := s.waiting_lora_adapters) else (),
-        )
-
-
-@dataclass
-class ClientBatch:
-    """What one client receives for one engine step (or several merged: ``step_tokens``)."""
-
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    errors: list[tuple[str, Exception]] = field(default_factory=list)  # (request id, error)
-    load: LoadFigures | None = None
-    # Several steps merged (rpc/stream_outbox.py): this client's tokens in each, in order.
-    step_tokens: tuple[int, ...] = ()
-
-
-Sink = Callable[[ClientBatch], None]
-
-
-class QueueFull(Exception):
-    """The waiting queue is at --max-waiting."""
-
-
-class Unavailable(Exception):
-    """The engine takes no new work: shutting down, stalled, or its loop died."""
-
-
-class Draining(Unavailable):
-    """The engine is shutting down and takes no new work."""
-
-
-class Asleep(Unavailable):
-    """The engine sleeps, or is going to sleep, and takes no new work until woken up."""
-
-
-class SleepCancelled(Exception):
-    """A sleep still waiting for its requests to finish was cancelled by a wake up."""
 
 
 @dataclass
@@ -140,12 +69,6 @@ class _Call:
     future: concurrent.futures.Future[Any]
 
 
-def _internal_id(client: str, request_id: str) -> str:
-    """The engine's id for a client's request: ids are the client's own, so two clients may
-    use the same one."""
-    return f"{client}/{request_id}"
-
-
 class EngineLoop:
     """Owns the loop thread. ``stall_timeout_s``: how long the loop may go without finishing a
     step (or an idle wait) before it counts as stalled: health NOT_SERVING, new work refused."""
@@ -153,34 +76,26 @@ class EngineLoop:
     def __init__(
         self,
         build: Callable[[], EngineCore],
-        max_waiting: int = 1024,
-        stall_timeout_s: float = 60.0,
+        max_waiting: int = ServerConfig.max_waiting,
+        stall_timeout_s: float = ServerConfig.stall_timeout_s,
     ) -> None:
-        if stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
+        self.heartbeat = Heartbeat(stall_timeout_s)  # the stall detector
         self._build = build
-        self.stall_timeout_s = stall_timeout_s
-        # Monotonic time the loop last showed progress: a step finished, or an idle wait ended
-        # (an idle loop wakes every _IDLE_WAIT_S). Written by the loop thread only.
-        self._heartbeat = time.monotonic()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.core: EngineCore  # set by the loop thread before start() returns
         self.max_waiting = max_waiting
         self.load = LoadFigures(kv_cache_usage=0.0)
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
-        self._closed = False  # the loop thread ended: calls are refused (under _lock)
-        self._sinks: dict[str, Sink] = {}
-        self._owner: dict[str, tuple[str, str]] = {}  # internal id -> (client, request id)
-        self._pending_adds = 0
+        # Under _lock: the clients and their requests, the requests on their way in (submitted,
+        # not yet taken in by the loop), sleep mode's changes, and whether the loop has ended.
         self._lock = threading.Lock()
+        self._clients = Clients()
+        self._pending_adds = 0
+        self._sleep = SleepMode()
+        self._closed = False  # the loop thread ended: calls are refused
         self._stop = threading.Event()
         self.draining = False
-        # Sleep mode. _sleep_waiters / _sleep_pending under _lock; ``sleeping`` is written by
-        # the loop thread (under _lock) and read anywhere.
-        self._sleep_waiters: list[tuple[int, concurrent.futures.Future[None]]] = []
-        self._sleep_pending = False
-        self.sleeping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ called from any thread
@@ -197,13 +112,12 @@ class EngineLoop:
 
     def register(self, client: str, sink: Sink) -> None:
         with self._lock:
-            self._sinks[client] = sink
+            self._clients.register(client, sink)
 
     def unregister(self, client: str) -> None:
         """Forget a client and abort everything it still has in flight."""
         with self._lock:
-            self._sinks.pop(client, None)
-            mine = [i for i, (c, _) in self._owner.items() if c == client]
+            mine = self._clients.unregister(client)
         if mine:
             self._inbox.put(_Abort(mine))
 
@@ -213,14 +127,11 @@ class EngineLoop:
             return "the engine is shutting down"
         if self._built.is_set() and not self._thread.is_alive():
             return "the engine loop has stopped; see the engine log"
-        if self.sleeping:
+        if self._sleep.asleep:
             return "the engine is asleep (Sleep); WakeUp wakes it"
-        if self._sleep_pending:
+        if self._sleep.pending:
             return "the engine is going to sleep (Sleep); WakeUp wakes it"
-        age = time.monotonic() - self._heartbeat
-        if age > self.stall_timeout_s:
-            return f"the engine loop has made no progress for {age:.1f}s"
-        return None
+        return self.heartbeat.stall_reason()
 
     def submit(
         self,
@@ -242,16 +153,16 @@ class EngineLoop:
         reason = self.unavailable_reason()
         if reason is not None:
             raise Unavailable(reason)
-        internal = _internal_id(client, request_id)
+        internal = internal_id(client, request_id)
         with self._lock:
-            if self.sleeping or self._sleep_pending:  # checked again under the lock: see sleep()
+            if self._sleep.requested:  # checked again under the lock: see sleep()
                 raise Asleep("the engine is asleep or going to sleep (Sleep); WakeUp wakes it")
-            if internal in self._owner:
+            if internal in self._clients:
                 raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
             if self.load.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFull(f"the engine's waiting queue is full ({self.max_waiting} requests)")
             self._pending_adds += 1
-            self._owner[internal] = (client, request_id)
+            self._clients.add(internal, client, request_id)
         self._inbox.put(
             _Add(
                 client,
@@ -282,18 +193,14 @@ class EngineLoop:
         when the engine sleeps (at once if it already does: sleeping again is a no-op), or
         fails with SleepCancelled (a wake up came first) or the core's error."""
         check_sleep_level(level)  # before anything is refused
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             if self._closed or self._build_error is not None or not self._thread.is_alive():
                 raise Unavailable("the engine loop is not running")
-            if self.sleeping:
-                future.set_result(None)
-                return future
             # A submit that passed its check before this line has counted itself in
             # _pending_adds already: the loop takes it in (and lets it finish) before sleeping.
-            self._sleep_pending = True
-            self._sleep_waiters.append((level, future))
-            self._inbox.put(_Call(lambda core: None, concurrent.futures.Future()))  # wake it
+            future = self._sleep.ask(level)
+            if not future.done():
+                self._inbox.put(_Call(lambda core: None, concurrent.futures.Future()))  # wake it
         return future
 
     def wake_up(self) -> concurrent.futures.Future[None]:
@@ -304,34 +211,37 @@ class EngineLoop:
     @property
     def sleep_requested(self) -> bool:
         """Whether the engine sleeps or waits for its requests to finish to go to sleep."""
-        return self.sleeping or self._sleep_pending
+        return self._sleep.requested
 
     @property
     def is_sleeping(self) -> bool:
         """Whether the engine sleeps now (False while a sleep waits for its requests)."""
-        return self.sleeping
+        return self._sleep.asleep
 
     def abort(self, client: str | None, request_ids: list[str]) -> int:
         """Abort by the client's ids (client None: match the id under any client)."""
         with self._lock:
-            if client is not None:  # a Stream's abort: its internal ids, looked up directly
-                hits = [
-                    i for r in set(request_ids) if (i := _internal_id(client, r)) in self._owner
-                ]
-            else:  # the unary Abort rpc (rare): any client's request with that id
-                wanted = set(request_ids)
-                hits = [i for i, (_, r) in self._owner.items() if r in wanted]
+            hits = self._clients.find(client, request_ids)
         if hits:
             self._inbox.put(_Abort(hits))
         return len(hits)
 
     def has_requests(self, client: str) -> bool:
         with self._lock:
-            return any(c == client for c, _ in self._owner.values())
+            return self._clients.has_requests(client)
 
     def num_in_flight(self) -> int:
         with self._lock:
-            return len(self._owner)
+            return len(self._clients)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (``liveness.drain_and_abort``, at shutdown); returns
+        how many. Their clients get a final ABORT output."""
+        with self._lock:
+            left = self._clients.in_flight()
+        if left:
+            self._inbox.put(_Abort(left))
+        return len(left)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -349,7 +259,7 @@ class EngineLoop:
             self._built.set()
         try:
             while not self._stop.is_set():
-                self._heartbeat = time.monotonic()
+                self.heartbeat.beat()
                 self._drain(block=not self.core.has_unfinished_requests())
                 if self._stop.is_set():
                     break
@@ -357,7 +267,7 @@ class EngineLoop:
                     step = self.core.step()
                     self.load = self.load.after(step.stats)
                     self._route(step.outputs, step.errors)
-                if self._sleep_pending:
+                if self._sleep.pending:
                     self._try_sleep()
         except Exception:  # a bug in the engine: fail every request loudly, never hang them
             logger.exception("engine loop crashed; health is NOT_SERVING from now on")
@@ -370,10 +280,8 @@ class EngineLoop:
         refused by ``call`` itself."""
         with self._lock:
             self._closed = True
-            waiters, self._sleep_waiters = self._sleep_waiters, []
-        for _, future in waiters:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(Unavailable("the engine loop has stopped"))
+            waiters = self._sleep.take_waiters()
+        settle(waiters, lambda: Unavailable("the engine loop has stopped"))
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -402,10 +310,10 @@ class EngineLoop:
         self._deliver(batches)
 
     def _add(self, item: _Add, batches: dict[str, ClientBatch]) -> None:
-        internal = _internal_id(item.client, item.request_id)
+        internal = internal_id(item.client, item.request_id)
         with self._lock:
             self._pending_adds -= 1
-            if internal not in self._owner:  # aborted before it reached the engine
+            if internal not in self._clients:  # aborted before it reached the engine
                 return
         try:
             self.core.add_request(
@@ -416,10 +324,11 @@ class EngineLoop:
                 item.priority,
                 item.pooling_params,
                 item.lora_name,
+                checked=True,  # by the gRPC layer, with the contract's rule (``submit``)
             )
         except ValueError as e:
             with self._lock:
-                self._owner.pop(internal, None)
+                self._clients.forget(internal)
             batches.setdefault(item.client, ClientBatch()).errors.append((item.request_id, e))
 
     def _call(self, item: _Call) -> None:
@@ -435,40 +344,30 @@ class EngineLoop:
         with self._lock:
             if self._pending_adds or self.core.has_unfinished_requests():
                 return
-            waiters, self._sleep_waiters = self._sleep_waiters, []
-        level = max(level for level, _ in waiters)
+            level, waiters = self._sleep.take()
         error: Exception | None = None
         try:
             self.core.sleep(level)
         except Exception as e:  # a bad level (ValueError), or the runner failed
             error = e
         with self._lock:
-            self._sleep_pending = False
-            self.sleeping = error is None
+            self._sleep.went_to_sleep(error is None)
         if error is None:
-            self.load = self.load.after(self.core.scheduler.stats())
+            self.load = self.load.with_gauges(self.core.scheduler.stats())
             logger.info("engine asleep (level %d)", level)
         elif not isinstance(error, ValueError):
             logger.error("the engine failed to go to sleep: %s", error)
-        for _, future in waiters:
-            if future.set_running_or_notify_cancel():
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(error)
+        settle(waiters, None if error is None else lambda: error)
 
     def _wake_up(self) -> None:
         """On the loop thread: cancel a pending sleep, or wake the core."""
         with self._lock:
-            waiters, self._sleep_waiters = self._sleep_waiters, []
-            self._sleep_pending = False
-        for _, future in waiters:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(SleepCancelled("woken up before the engine went to sleep"))
-        if self.sleeping:
+            waiters = self._sleep.cancel()
+        settle(waiters, lambda: SleepCancelled("woken up before the engine went to sleep"))
+        if self._sleep.asleep:
             self.core.wake_up()
             with self._lock:
-                self.sleeping = False
+                self._sleep.woke_up()
             logger.info("engine awake")
 
     def _abort(self, item: _Abort) -> None:
@@ -476,67 +375,20 @@ class EngineLoop:
         finals = {o.request_id: o for o in self.core.abort_requests(item.internal_ids)}
         # Aborts free blocks and slots outside a step: refresh the gauges now, or an idle
         # engine keeps reporting (and admitting against) the figures of its last step.
-        self.load = self.load.after(self.core.scheduler.stats())
-        batches: dict[str, ClientBatch] = {}
+        self.load = self.load.with_gauges(self.core.scheduler.stats())
         with self._lock:
-            for i in item.internal_ids:
-                owner = self._owner.pop(i, None)
-                if owner is not None:
-                    client, rid = owner
-                    final = finals.get(i) or EngineCoreOutput(
-                        rid, [], finish_reason=FinishReason.ABORT
-                    )
-                    final.request_id = rid  # the engine's own final carries the internal id
-                    batches.setdefault(client, ClientBatch()).outputs.append(final)
+            batches = self._clients.aborted(item.internal_ids, finals)
         self._deliver(batches)
 
     def _route(self, outputs: list[EngineCoreOutput], errors: list[tuple[str, Exception]]) -> None:
-        batches: dict[str, ClientBatch] = {}
         with self._lock:
-            for o in outputs:
-                owner = self._owner.get(o.request_id)
-                if owner is None:
-                    continue
-                client, rid = owner
-                if o.finished:
-                    del self._owner[o.request_id]
-                o.request_id = rid
-                batches.setdefault(client, ClientBatch()).outputs.append(o)
-            for internal, error in errors:  # failed in the step (a grammar that does not compile)
-                owner = self._owner.pop(internal, None)
-                if owner is not None:
-                    client, rid = owner
-                    batches.setdefault(client, ClientBatch()).errors.append((rid, error))
+            batches = self._clients.route(outputs, errors)
         self._deliver(batches)
 
     def _deliver(self, batches: dict[str, ClientBatch]) -> None:
-        for client, batch in batches.items():
-            batch.load = self.load
-            sink = self._sinks.get(client)
-            if sink is not None:
-                sink(batch)
+        self._clients.deliver(batches, self.load)
 
     def _fail_all(self, error: Exception) -> None:
-        batches: dict[str, ClientBatch] = {}
         with self._lock:
-            for client, rid in self._owner.values():
-                batches.setdefault(client, ClientBatch()).errors.append((rid, error))
-            self._owner.clear()
+            batches = self._clients.fail_all(error)
         self._deliver(batches)
-
-    # ------------------------------------------------------------------ shutdown
-    def drain_and_abort(self, timeout_s: float) -> int:
-        """Refuse new work, let in-flight requests finish for ``timeout_s``, abort the rest.
-
-        Returns how many requests were aborted; their clients get a final ABORT output.
-        """
-        self.draining = True
-        deadline = time.monotonic() + timeout_s
-        while self.num_in_flight() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with self._lock:
-            left = dict(self._owner)
-        if not left:
-            return 0
-        self._inbox.put(_Abort(list(left)))  # their owners get a final ABORT output
-        return len(left)

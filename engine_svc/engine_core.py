@@ -1,5 +1,10 @@
 """EngineCore: owns the scheduler, the KV cache manager and the model runner; ``step()`` is the
-whole engine: schedule -> execute -> update."""
+whole engine: schedule -> execute -> update.
+
+It sits above the layers it orchestrates: ``core/`` (scheduler, KV cache, requests: CPU
+bookkeeping) and ``worker/`` (model runner, sampler) with ``models/``, ``lora/`` and
+``structured_output/``. ``loop/`` runs it in its own thread for the gRPC server; the offline
+``LLM`` drives it directly."""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ import time
 from pathlib import Path
 
 from engine_svc.config import EngineConfig
-from engine_svc.core.errors import ContextLengthError, EngineAsleepError
+from engine_svc.core.errors import EngineAsleepError
 from engine_svc.core.kv_cache_manager import KVCacheManager
+from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput, EngineCoreOutputs
-from engine_svc.core.pooling_params import ModelTasks, PoolingParams
+from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.request import FinishReason, Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
@@ -33,87 +39,6 @@ logger = logging.getLogger(__name__)
 # With nothing to run but requests waiting for their grammar, step() sleeps until a compilation
 # ends, at most this long (new requests then wait at most this long to be taken in).
 _GRAMMAR_WAIT_S = 0.01
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """Facts about the served model, found at load time."""
-
-    name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    block_size: int
-    num_kv_blocks: int
-    max_logprobs: int
-    enable_prefix_caching: bool
-    kv_cache_dtype: str  # "bfloat16", "float32" ...
-    tasks: ModelTasks = ModelTasks()  # what the model serves, and its pooling facts
-    max_loras: int = 0  # LoRA adapters on the device at once; 0: no adapters served
-    max_lora_rank: int = 0
-
-    def check_prompt(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
-        """Raise ``ValueError`` naming the problem with a prompt this model cannot take.
-
-        A pooling prompt may fill the whole context (``pooling``); a generation prompt must leave
-        room for one token. Pure and thread-safe: the gRPC layer calls it to answer at once,
-        before queueing.
-        """
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
-                f"{bad[:5]}"
-            )
-        if pooling:
-            if len(prompt_token_ids) > self.max_model_len:
-                raise ContextLengthError(
-                    f"prompt has {len(prompt_token_ids)} tokens; the model's context length is "
-                    f"{self.max_model_len}"
-                )
-        elif len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"prompt has {len(prompt_token_ids)} tokens; the model's context length is "
-                f"{self.max_model_len} and at least one token must be generated"
-            )
-
-    def check_params(self, params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming a parameter this model cannot take: token ids outside the
-        vocabulary, text bad words nobody tokenized. Pure and thread-safe, like ``check_prompt``."""
-        params.check_vocab(self.vocab_size)
-        if params.bad_words and not params.bad_words_token_ids:
-            raise ValueError(
-                "bad_words are text: the engine takes them as bad_words_token_ids (the offline "
-                "LLM tokenizes them with the model's tokenizer)"
-            )
-
-    def check_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> PoolingParams:
-        """A pooling request's checks (the task served, its parameters, the prompt); returns the
-        parameters with their defaults filled in. Pure and thread-safe, like ``check_prompt``."""
-        resolved = self.tasks.check(params)
-        self.check_prompt(prompt_token_ids, pooling=True)
-        return resolved
-
-    def check_request(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """``check_prompt``, plus: the prompt and ``max_tokens`` must fit the context together.
-
-        This is the contract's rule (CONTEXT_LENGTH_EXCEEDED): a served request is refused rather
-        than silently cut at max_model_len. ``max_tokens`` None means "the rest of the context".
-        The offline API is lenient instead, as vLLM's: it only checks the prompt, and a request
-        that reaches max_model_len finishes with ``length``. A model that does not generate
-        refuses it (INVALID_ARGUMENT).
-        """
-        self.tasks.check_generate()
-        self.check_prompt(prompt_token_ids)
-        n = len(prompt_token_ids)
-        if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
-                f"tokens; the model's context length is {self.max_model_len}"
-            )
 
 
 class EngineCore:
@@ -143,8 +68,7 @@ class EngineCore:
         self.kv = KVCacheManager(
             layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching
         )
-        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.runner.lora)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.runner.lora)
         lora = config.lora
         self.info = ModelInfo(
             name=config.model.served_model_name or Path(config.model.model).name,
@@ -185,13 +109,23 @@ class EngineCore:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         lora_name: str | None = None,
+        *,
+        checked: bool = False,
     ) -> Request:
-        """Validate and queue a request. Raises ``ValueError`` naming the problem
-        (``LoRANotFoundError`` for an unknown ``lora_name``).
+        """Check and queue a request. Raises ``ValueError`` naming the problem
+        (``ContextLengthError`` for the context, ``LoRANotFoundError`` for an unknown
+        ``lora_name``).
 
         With ``pooling_params`` it is a pooling request: ``params`` are ignored. ``lora_name``:
         the adapter to run it with (None or empty: the base model), held until it finishes.
-        EngineAsleepError while the engine sleeps."""
+        EngineAsleepError while the engine sleeps.
+
+        The check is the engine's one check of what reaches it in process (the offline ``LLM``):
+        vLLM's lenient rule, ``ModelInfo.check_generate`` / ``check_pooling``. ``checked``: the
+        caller has checked the request against ``info`` already and it is not checked again --
+        the gRPC edge checks every request with the contract's rule before queueing it
+        (``ModelInfo.check_request``), and ``EngineLoop`` passes True; its pooling parameters
+        then come with their defaults filled in."""
         if self.is_sleeping:
             raise EngineAsleepError("the engine is asleep; wake it up first")
         lora_id = self._acquire_lora(lora_name)
@@ -205,6 +139,7 @@ class EngineCore:
                 pooling_params,
                 lora_id,
                 lora_name,
+                checked,
             )
         except BaseException:
             if lora_id and self.runner.lora is not None:
@@ -220,30 +155,27 @@ class EngineCore:
         priority: int,
         pooling_params: PoolingParams | None,
         lora_id: int,
-        lora_name: str | None = None,
+        lora_name: str | None,
+        checked: bool,
     ) -> Request:
         info = self.info
         if pooling_params is not None:
-            pooling = info.check_pooling(prompt_token_ids, pooling_params)
+            if not checked:
+                pooling_params = info.check_pooling(prompt_token_ids, pooling_params)
             request = Request(
                 request_id,
                 prompt_token_ids,
                 SamplingParams(max_tokens=1),  # unused: a pooling request samples nothing
                 arrival_time=arrival_time,
                 priority=priority,
-                pooling_params=pooling,
+                pooling_params=pooling_params,
                 lora_id=lora_id,
                 lora_name=lora_name,
             )
             self.scheduler.add_request(request)
             return request
-        info.tasks.check_generate()
-        info.check_prompt(prompt_token_ids)
-        info.check_params(params)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > info.max_logprobs:
-                raise ValueError(f"{name} must be at most {info.max_logprobs}, got {value}")
+        if not checked:
+            info.check_generate(prompt_token_ids, params)
         remaining = info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(remaining, 1))
@@ -377,7 +309,8 @@ class EngineCore:
         touched = self.scheduler.update_from_output(scheduled, result.sampled)
         now = time.monotonic()
         outputs = [self._output_of(r, result, now) for r in touched]
-        return EngineCoreOutputs(outputs, self.scheduler.stats(), self.scheduler.take_errors())
+        stats = self.scheduler.take_stats()  # this step's counters, then a new interval
+        return EngineCoreOutputs(outputs, stats, self.scheduler.take_errors())
 
     def _keep_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
         # Chunks of a long prompt arrive over several steps; they are sent with the first token.
@@ -440,4 +373,4 @@ def _eos_ids(model_dir: str, hf: dict) -> tuple[int, ...]:  # type: ignore[type-
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-__all__ = ["EngineCore", "FinishReason", "ModelInfo"]
+__all__ = ["EngineCore"]
