@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine_svc.core.pooling_params import PoolingParams, PoolingTask
-from engine_svc.core.request import FinishReason, RequestStatus
+from engine_svc.core.pooling_params import PoolingParams
+from engine_svc.core.request import RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.lora.request import LoRARequest
+from protos.types import FinishReason, PoolingTask
 
 if TYPE_CHECKING:
     from engine_svc.entrypoints.llm import LLM, CompletionOutput, RequestOutput

@@ -20,7 +20,7 @@ from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine_svc.core.pooling_params import PoolingParams
-from engine_svc.core.request import FinishReason, Request
+from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
 from engine_svc.lora.adapter import LoRAAdapter
@@ -33,6 +33,7 @@ from engine_svc.profiler import EngineProfiler
 from engine_svc.structured_output.manager import StructuredOutputManager
 from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
 from engine_svc.worker.sleep_mode import check_sleep_level
+from protos.types import FinishReason
 
 logger = logging.getLogger(__name__)
 

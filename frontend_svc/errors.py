@@ -7,12 +7,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from frontend_svc.engine.types import (
-    EngineCallError,
-    EngineErrorCode,
-    EngineRequestError,
-    EngineUnavailableError,
-)
+from frontend_svc.engine.errors import EngineCallError, EngineRequestError, EngineUnavailableError
+from protos.types import EngineErrorCode
 
 
 class ApiError(Exception):

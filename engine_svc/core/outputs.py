@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from engine_svc.core.request import FinishReason, Logprobs, PhaseTimes
+from engine_svc.core.request import Logprobs, PhaseTimes
 from engine_svc.core.scheduler import SchedulerStats
+from protos.types import FinishReason
 
 
 @dataclass

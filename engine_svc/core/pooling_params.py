@@ -16,16 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-
-class PoolingTask(enum.Enum):
-    """vLLM's pooling task names; ``str()`` gives them."""
-
-    EMBED = "embed"
-    CLASSIFY = "classify"
-    SCORE = "score"
-
-    def __str__(self) -> str:
-        return self.value
+from protos.types import PoolingTask
 
 
 class PoolingType(enum.Enum):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
+from protos.types import FinishReason
 
 if TYPE_CHECKING:
     from engine_svc.structured_output.grammar import RequestGrammar
@@ -27,17 +28,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value >= RequestStatus.FINISHED_STOPPED.value
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended; ``str()`` gives the OpenAI spelling."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _FINISH_REASONS = {

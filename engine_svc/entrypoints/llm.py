@@ -19,7 +19,7 @@ from typing import Any
 
 from engine_svc import envs
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
-from engine_svc.core.request import FinishReason, Logprobs
+from engine_svc.core.request import Logprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_core import EngineCore
 from engine_svc.entrypoints.llm_pooling import PoolingMixin
@@ -28,6 +28,7 @@ from engine_svc.lora.request import LoRARequest
 from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL, resolve_model, resolve_tokenizer
 from protos.bad_words import bad_words_token_ids
 from protos.gc_heap import freeze_startup_heap
+from protos.types import FinishReason
 
 PromptType = str | dict[str, Any]
 

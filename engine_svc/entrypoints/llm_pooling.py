@@ -23,10 +23,11 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from engine_svc.core.pooling_params import PoolingParams, PoolingTask
+from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_core import EngineCore
 from engine_svc.lora.request import LoRARequest
+from protos.types import PoolingTask
 
 PromptType = str | dict[str, Any]
 _O = TypeVar("_O")

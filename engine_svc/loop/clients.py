@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.core.request import FinishReason
 from engine_svc.core.scheduler import SchedulerStats
+from protos.types import FinishReason
 
 
 @dataclass(frozen=True, slots=True)

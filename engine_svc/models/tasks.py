@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_svc.core.pooling_params import GENERATE, ModelTasks, PoolingTask, PoolingType
+from engine_svc.core.pooling_params import GENERATE, ModelTasks, PoolingType
+from protos.types import PoolingTask
 
 FAMILIES = ("Llama", "Qwen2", "Qwen3")
 _SUFFIXES = {"ForCausalLM": "lm", "Model": "none", "ForSequenceClassification": "classifier"}

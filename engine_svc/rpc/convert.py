@@ -8,14 +8,15 @@ import numpy.typing as npt
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.core.pooling_params import PoolingParams, PoolingTask
-from engine_svc.core.request import FinishReason, Logprobs
+from engine_svc.core.pooling_params import PoolingParams
+from engine_svc.core.request import Logprobs
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
 from engine_svc.loop.clients import LoadFigures
 from engine_svc.loop.errors import QueueFull, Unavailable
 from engine_svc.lora.errors import LoRACapacityError, LoRANotFoundError
 from engine_svc.lora.registry import LoRAInfo
 from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import FinishReason, PoolingTask
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,

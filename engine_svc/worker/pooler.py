@@ -26,11 +26,12 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from engine_svc.core.pooling_params import PoolingParams, PoolingTask, PoolingType
+from engine_svc.core.pooling_params import PoolingParams, PoolingType
 from engine_svc.core.request import Request
 from engine_svc.models.llama import LlamaForCausalLM
 from engine_svc.worker.step_inputs import StepInputs
 from engine_svc.worker.uploads import upload
+from protos.types import PoolingTask
 
 PooledResults = dict[str, npt.NDArray[np.float32]]
 

@@ -40,6 +40,7 @@ import grpc
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine.collector import OutputCollector
+from frontend_svc.engine.errors import EngineCallError, EngineRequestError, EngineUnavailableError
 from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.health import HealthFollower
 from frontend_svc.engine.messages import (
@@ -51,20 +52,17 @@ from frontend_svc.engine.messages import (
     model_info,
 )
 from frontend_svc.engine.reconnect_log import ReconnectLog
-from frontend_svc.engine.types import (
-    EngineCallError,
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
+from protos.types import (
     EngineErrorCode,
     EngineOutput,
     EngineRequest,
-    EngineRequestError,
-    EngineUnavailableError,
     FinishReason,
     LoraAdapter,
     ModelInfo,
     TokenizerFiles,
 )
-from protos.tandem.engine.v1 import engine_pb2 as pb
-from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

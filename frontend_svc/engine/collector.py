@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from frontend_svc.engine.types import EngineOutput, TokenLogprob
+from protos.types import EngineOutput, TokenLogprob
 
 
 class OutputCollector:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frontend_svc.engine.types import LoadFigures, ModelInfo, TokenizerFiles
+from protos.types import LoadFigures, ModelInfo, TokenizerFiles
 
 
 class EngineEvents:

@@ -17,13 +17,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.errors import EngineCallError, EngineUnavailableError
 from frontend_svc.engine.membership import EngineMembership, Member
-from frontend_svc.engine.types import (
-    EngineCallError,
-    EngineErrorCode,
-    EngineUnavailableError,
-    LoraAdapter,
-)
+from protos.types import EngineErrorCode, LoraAdapter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.errors import EngineCallError, EngineUnavailableError
 from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.router import Router
 from frontend_svc.engine.targets import (
@@ -32,15 +33,7 @@ from frontend_svc.engine.targets import (
     parse_engine_targets,
     resolve,
 )
-from frontend_svc.engine.types import (
-    EngineCallError,
-    EngineErrorCode,
-    EngineUnavailableError,
-    LoadFigures,
-    LoraAdapter,
-    ModelInfo,
-    TokenizerFiles,
-)
+from protos.types import EngineErrorCode, LoadFigures, LoraAdapter, ModelInfo, TokenizerFiles
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The contract's messages as the gateway's own types, both ways: a request to ``AddRequest``;
 an engine step's ``RequestOutput``, ``LoadStats`` and error codes, and the unary calls' replies
-(model info, LoRA adapters) to the types in :mod:`frontend_svc.engine.types`.
+(model info, LoRA adapters) to the types in :mod:`protos.types`.
 
 With :mod:`frontend_svc.engine.client` (the stream and the calls), the only modules that import
 the generated stubs. The conversions of what every engine step carries (:func:`engine_output`,
@@ -14,7 +14,8 @@ import sys
 from array import array
 from collections.abc import Iterable
 
-from frontend_svc.engine.types import (
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import (
     EngineErrorCode,
     EngineOutput,
     EnginePoolingParams,
@@ -26,7 +27,6 @@ from frontend_svc.engine.types import (
     PoolingTask,
     TokenLogprob,
 )
-from protos.tandem.engine.v1 import engine_pb2 as pb
 
 _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,

@@ -15,17 +15,12 @@ import logging
 from collections.abc import AsyncGenerator
 
 from frontend_svc.config import FrontendConfig
+from frontend_svc.engine.errors import EngineRequestError, EngineUnavailableError
 from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.fanout import EngineFanOut
 from frontend_svc.engine.membership import EngineMembership, Member
 from frontend_svc.engine.router import Router
-from frontend_svc.engine.types import (
-    EngineErrorCode,
-    EngineOutput,
-    EngineRequest,
-    EngineRequestError,
-    EngineUnavailableError,
-)
+from protos.types import EngineErrorCode, EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)
 

@@ -19,23 +19,22 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from frontend_svc.engine.errors import EngineRequestError, EngineUnavailableError
 from frontend_svc.engine.pool import EnginePool
-from frontend_svc.engine.types import (
-    EngineErrorCode,
-    EngineOutput,
-    EnginePoolingParams,
-    EngineRequest,
-    EngineRequestError,
-    EngineSamplingParams,
-    EngineUnavailableError,
-    TokenLogprob,
-)
 from frontend_svc.generation.structured_errors import name_constraint_errors
 from frontend_svc.generation.token_constraints import PreparedPrompt, resolve_token_constraints
 from frontend_svc.protocol import SamplingOptions
 from frontend_svc.server.metrics import Metrics
 from frontend_svc.server.state import GatewayState
 from frontend_svc.text.output_processor import OutputProcessor, SequenceDelta
+from protos.types import (
+    EngineErrorCode,
+    EngineOutput,
+    EnginePoolingParams,
+    EngineRequest,
+    EngineSamplingParams,
+    TokenLogprob,
+)
 
 T = TypeVar("T")
 

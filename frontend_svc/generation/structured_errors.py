@@ -14,8 +14,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from frontend_svc.engine.types import EngineErrorCode, EngineRequestError
+from frontend_svc.engine.errors import EngineRequestError
 from frontend_svc.errors import invalid_parameter
+from protos.types import EngineErrorCode
 
 T = TypeVar("T")
 

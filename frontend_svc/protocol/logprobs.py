@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from frontend_svc.engine.types import TokenLogprob
+from protos.types import TokenLogprob
 
 # A token a structured-output constraint forbids has logprob -inf, which JSON cannot carry; it is
 # shown as this (vLLM's choice) when it appears among the top alternatives.

@@ -8,7 +8,6 @@ from typing import Any
 
 import orjson
 
-from frontend_svc.engine.types import StructuredOutput
 from frontend_svc.protocol.base import validate
 from frontend_svc.protocol.models import (
     ChatBody,
@@ -25,6 +24,7 @@ from frontend_svc.protocol.requests import (
     SamplingOptions,
     TokenizeRequest,
 )
+from protos.types import StructuredOutput
 
 
 def parse_completion(body: object, max_logprobs: int) -> CompletionRequest:

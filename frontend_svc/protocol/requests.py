@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from frontend_svc.engine.types import EngineSamplingParams, StructuredOutput
 from frontend_svc.protocol.tools import ToolOptions
+from protos.types import EngineSamplingParams, StructuredOutput
 
 Prompt = str | tuple[int, ...]  # text, or token ids
 

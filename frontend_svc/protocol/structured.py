@@ -14,7 +14,6 @@ from typing import Annotated, Any, ClassVar, Literal
 import orjson
 from pydantic import Field, PlainValidator, model_validator
 
-from frontend_svc.engine.types import StructuredOutput
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import NOT_NULL, RequestModel, given
 from frontend_svc.protocol.fields import (
@@ -24,6 +23,7 @@ from frontend_svc.protocol.fields import (
     Says,
     json_schema_object,
 )
+from protos.types import StructuredOutput
 
 # A JSON Schema: an object, or its JSON text (vLLM takes both).
 JsonSchema = Annotated[

@@ -11,7 +11,6 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine.types import ModelInfo
 from frontend_svc.errors import (
     ApiError,
     from_engine_error,
@@ -31,6 +30,7 @@ from frontend_svc.routes.sse import (
 from frontend_svc.server.state import GatewayState
 from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.text.prompt_encoder import PromptEncoder
+from protos.types import ModelInfo
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend_svc.engine.types import TokenLogprob
 from frontend_svc.generation.run import (
     ChoiceResult,
     UsageCounter,
@@ -40,6 +39,7 @@ from frontend_svc.routes.common import (
 from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
 from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.text.tokenizer import EncodedPrompt, Tokenizer
+from protos.types import TokenLogprob
 
 
 async def create_completion(request: Request) -> Response:

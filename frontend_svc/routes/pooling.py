@@ -19,12 +19,6 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine.types import (
-    EngineOutput,
-    EnginePoolingParams,
-    ModelInfo,
-    PoolingTask,
-)
 from frontend_svc.errors import ApiError, invalid_parameter
 from frontend_svc.generation.run import pool, random_id
 from frontend_svc.protocol.pooling import (
@@ -38,6 +32,7 @@ from frontend_svc.routes.common import gateway, parse_body, prompt_encoder, requ
 from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
 from frontend_svc.server.state import GatewayState
 from frontend_svc.text.tokenizer import Tokenizer
+from protos.types import EngineOutput, EnginePoolingParams, ModelInfo, PoolingTask
 
 # Responses holding this many numbers are serialized in the worker pool, off the event loop.
 BIG_RESPONSE_VALUES = 65536

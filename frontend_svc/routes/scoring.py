@@ -15,12 +15,6 @@ from collections.abc import Sequence
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend_svc.engine.types import (
-    EngineOutput,
-    EnginePoolingParams,
-    ModelInfo,
-    PoolingTask,
-)
 from frontend_svc.generation.run import random_id
 from frontend_svc.protocol.pooling import RerankRequest, ScoreRequest, parse_rerank, parse_score
 from frontend_svc.routes.common import gateway, parse_body, prompt_encoder
@@ -36,6 +30,7 @@ from frontend_svc.routes.pooling import (
 )
 from frontend_svc.text.prompt_encoder import OFFLOAD_MIN_CHARS
 from frontend_svc.text.tokenizer import Tokenizer
+from protos.types import EngineOutput, EnginePoolingParams, ModelInfo, PoolingTask
 
 Scored = tuple[list[float], list[EngineOutput], list[list[int]]]
 

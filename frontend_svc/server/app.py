@@ -14,7 +14,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine.types import EngineCallError, EngineRequestError, EngineUnavailableError
+from frontend_svc.engine.errors import EngineCallError, EngineRequestError, EngineUnavailableError
 from frontend_svc.errors import ApiError, from_engine_error, from_http_status, unauthorized
 from frontend_svc.routes import (
     adapters,

@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 
 from frontend_svc.config import shared_metrics_dir
 from frontend_svc.engine.events import EngineEvents
-from frontend_svc.engine.types import EngineOutput, FinishReason, LoadFigures, ModelInfo
+from protos.types import EngineOutput, FinishReason, LoadFigures, ModelInfo
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # The engine's cumulative figures (see Metrics.observe_load), by name, with their help text.

@@ -8,12 +8,12 @@ import logging
 
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.pool import EnginePool
-from frontend_svc.engine.types import ModelInfo, TokenizerFiles
 from frontend_svc.errors import engine_unavailable, model_not_found
 from frontend_svc.server.metrics import Metrics, MetricsEvents
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
 from protos.gc_heap import freeze_startup_heap
+from protos.types import ModelInfo, TokenizerFiles
 
 logger = logging.getLogger(__name__)
 

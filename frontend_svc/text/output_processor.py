@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from frontend_svc.engine.types import EngineOutput, FinishReason, TokenLogprob
 from frontend_svc.text.detokenizer import IncrementalDetokenizer
 from frontend_svc.text.stop_strings import StopStringMatcher
 from frontend_svc.text.tokenizer import Tokenizer
+from protos.types import EngineOutput, FinishReason, TokenLogprob
 
 
 @dataclass(slots=True)

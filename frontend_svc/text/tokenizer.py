@@ -15,8 +15,8 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders as hf_decoders
 
-from frontend_svc.engine.types import ModelInfo, TokenizerFiles
 from frontend_svc.text.detokenizer import StreamStep
+from protos.types import ModelInfo, TokenizerFiles
 
 
 @dataclass(frozen=True)

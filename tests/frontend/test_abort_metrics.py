@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from frontend_svc.engine.types import EngineOutput, FinishReason
 from frontend_svc.server.metrics import Metrics
+from protos.types import EngineOutput, FinishReason
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer, wait_for
 from tests.frontend.test_metrics_scrape import scrape

@@ -19,15 +19,11 @@ from tokenizers import Tokenizer
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.errors import EngineCallError
 from frontend_svc.engine.router import Router
-from frontend_svc.engine.types import (
-    EngineCallError,
-    EngineErrorCode,
-    EngineRequest,
-    EngineSamplingParams,
-)
 from frontend_svc.server.state import ADAPTER_REFRESH_S
 from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import EngineErrorCode, EngineRequest, EngineSamplingParams
 from tests.frontend.conftest import make_engine
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer, wait_for

@@ -10,10 +10,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, trainers
 
-from frontend_svc.engine.types import EngineOutput, TokenizerFiles
 from frontend_svc.text.detokenizer import IncrementalDetokenizer
 from frontend_svc.text.output_processor import OutputProcessor
 from frontend_svc.text.tokenizer import SpecialTokens, Tokenizer
+from protos.types import EngineOutput, TokenizerFiles
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,13 +11,12 @@ import pytest
 
 from frontend_svc.config import BackoffConfig
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.errors import EngineRequestError, EngineUnavailableError
 from frontend_svc.engine.events import EngineEvents
-from frontend_svc.engine.types import (
+from protos.types import (
     EngineErrorCode,
     EngineRequest,
-    EngineRequestError,
     EngineSamplingParams,
-    EngineUnavailableError,
     FinishReason,
     LoadFigures,
     ModelInfo,

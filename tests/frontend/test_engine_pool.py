@@ -20,22 +20,21 @@ from tokenizers import Tokenizer
 
 from frontend_svc.config import BackoffConfig, FrontendConfig, RoutingConfig
 from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.errors import EngineRequestError, EngineUnavailableError
 from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.pool import EnginePool
 from frontend_svc.engine.targets import EngineTarget, parse_engine_targets
-from frontend_svc.engine.types import (
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import (
     EngineErrorCode,
     EngineOutput,
     EngineRequest,
-    EngineRequestError,
     EngineSamplingParams,
-    EngineUnavailableError,
     FinishReason,
     LoadFigures,
     ModelInfo,
     TokenizerFiles,
 )
-from protos.tandem.engine.v1 import engine_pb2 as pb
 from tests.frontend.conftest import make_engine
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer, free_port, wait_for

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from frontend_svc.engine.types import TokenLogprob
 from frontend_svc.protocol.logprobs import CompletionLogprobs
+from protos.types import TokenLogprob
 
 pytestmark = pytest.mark.timeout(10)
 

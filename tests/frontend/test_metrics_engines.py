@@ -9,8 +9,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend_svc.engine.types import EngineOutput, FinishReason, LoadFigures, ModelInfo
 from frontend_svc.server.metrics import Metrics, length_buckets, observe_many
+from protos.types import EngineOutput, FinishReason, LoadFigures, ModelInfo
 
 INFO = ModelInfo(
     served_model_name="m",

@@ -7,13 +7,8 @@ import asyncio
 import pytest
 
 from frontend_svc.engine.collector import OutputCollector, merge_outputs
-from frontend_svc.engine.types import (
-    EngineErrorCode,
-    EngineOutput,
-    EngineRequestError,
-    FinishReason,
-    TokenLogprob,
-)
+from frontend_svc.engine.errors import EngineRequestError
+from protos.types import EngineErrorCode, EngineOutput, FinishReason, TokenLogprob
 
 
 def _out(ids: tuple[int, ...], **kw: object) -> EngineOutput:

@@ -9,9 +9,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from frontend_svc.engine.types import EngineOutput, FinishReason, TokenizerFiles, TokenLogprob
 from frontend_svc.text.output_processor import OutputProcessor, SequenceDelta
 from frontend_svc.text.tokenizer import Tokenizer
+from protos.types import EngineOutput, FinishReason, TokenizerFiles, TokenLogprob
 from tests.frontend.fake_engine import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(30)

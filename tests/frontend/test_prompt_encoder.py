@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from frontend_svc.engine.types import TokenizerFiles
 from frontend_svc.text import prompt_encoder
 from frontend_svc.text.prompt_encoder import OFFLOAD_MIN_CHARS, PromptEncoder
 from frontend_svc.text.tokenizer import EncodedPrompt, Tokenizer
+from protos.types import TokenizerFiles
 from tests.frontend.fake_engine import SCRIPT
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,16 +10,12 @@ from typing import Any
 
 import pytest
 
+from frontend_svc.engine.errors import EngineRequestError
 from frontend_svc.engine.messages import add_request
-from frontend_svc.engine.types import (
-    EngineErrorCode,
-    EngineRequest,
-    EngineRequestError,
-    StructuredOutput,
-)
 from frontend_svc.errors import ApiError
 from frontend_svc.generation.structured_errors import name_constraint_errors
 from frontend_svc.protocol import parse_chat, parse_completion
+from protos.types import EngineErrorCode, EngineRequest, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))  # key order kept: it is generation order

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.engine.types import TokenizerFiles
 from frontend_svc.protocol.parse import parse_chat, parse_completion
 from frontend_svc.routes import chat, completions
 from frontend_svc.routes.sse import TextEvents, sse_event
 from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.text.tokenizer import Tokenizer
+from protos.types import TokenizerFiles
 
 TEXTS = ["a", " world", '"quoted"', "back\\slash", "tab\there", "new\nline", "\u2028", "\x85x",
          "naïve café", "日本語", "🙂", "\x00\x1f", "</script>", "{}[],:"]  # fmt: skip

@@ -17,12 +17,12 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from frontend_svc.engine.types import EngineOutput, StructuredOutput
 from frontend_svc.errors import ApiError
 from frontend_svc.protocol import parse_chat, parse_tokenize
 from frontend_svc.text.output_processor import OutputProcessor
 from frontend_svc.text.tokenizer import SpecialTokens, Tokenizer
 from frontend_svc.tool_parsers import get_tool_parser
+from protos.types import EngineOutput, StructuredOutput
 from tests.chat_templates import QWEN_TOOLS_TEMPLATE
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer

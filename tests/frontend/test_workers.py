@@ -35,9 +35,9 @@ from frontend_svc.config import (
     config_from_json,
     config_to_json,
 )
-from frontend_svc.engine.types import EngineOutput, FinishReason, LoadFigures
 from frontend_svc.server.metrics import Metrics
 from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import EngineOutput, FinishReason, LoadFigures
 from tests.frontend.fake_engine import MODEL_NAME, SCRIPT, FakeEngine
 from tests.frontend.harness import free_port, wait_for
 from tests.frontend.test_metrics_engines import GAUGES, INFO, Clock

@@ -254,7 +254,7 @@ def test_the_gateways_client_under_other_windows_gets_every_token(
 
     from frontend_svc.config import BackoffConfig
     from frontend_svc.engine.client import EngineClient
-    from frontend_svc.engine.types import EngineRequest, EngineSamplingParams, FinishReason
+    from protos.types import EngineRequest, EngineSamplingParams, FinishReason
 
     lengths = {f"w{window}-{i}": 20 + 7 * i for i in range(5)}
     expected = {
@@ -299,7 +299,7 @@ def test_the_gateways_client_hands_on_each_merged_steps_tokens(engine: Engine) -
     from frontend_svc.config import BackoffConfig
     from frontend_svc.engine.client import EngineClient
     from frontend_svc.engine.events import EngineEvents
-    from frontend_svc.engine.types import EngineRequest, EngineSamplingParams
+    from protos.types import EngineRequest, EngineSamplingParams
 
     calls: list[tuple[int, int, list[int]]] = []
 

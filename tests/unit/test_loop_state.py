@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.core.request import FinishReason
 from engine_svc.core.scheduler import SchedulerStats
 from engine_svc.loop.clients import ClientBatch, Clients, LoadFigures, internal_id
 from engine_svc.loop.errors import SleepCancelled
 from engine_svc.loop.sleep import SleepMode, settle
+from protos.types import FinishReason
 
 
 def test_sleep_goes_pending_then_asleep_at_the_deepest_level_asked() -> None:

@@ -11,9 +11,10 @@ from engine_svc import LLM
 from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.core.request import FinishReason, PhaseTimes, Request
+from engine_svc.core.request import PhaseTimes, Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from protos.types import FinishReason
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int) -> Request:

@@ -8,10 +8,10 @@ import pytest
 
 from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.core.pooling_params import ModelTasks, PoolingTask, PoolingType
-from engine_svc.core.request import FinishReason
+from engine_svc.core.pooling_params import ModelTasks, PoolingType
 from engine_svc.rpc import convert
 from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import FinishReason, PoolingTask
 
 
 def test_pooling_params_from_pb() -> None:

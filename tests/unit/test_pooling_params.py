@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from engine_svc.config import ModelConfig
-from engine_svc.core.pooling_params import ModelTasks, PoolingParams, PoolingTask, PoolingType
+from engine_svc.core.pooling_params import ModelTasks, PoolingParams, PoolingType
 from engine_svc.models.tasks import (
     SUPPORTED_ARCHITECTURES,
     checkpoint_kind,
     model_tasks,
     sentence_transformers_pooling,
 )
+from protos.types import PoolingTask
 
 EMBED = ModelTasks(("generate", "embed"), 64, PoolingType.LAST, is_matryoshka=True)
 LISTED = ModelTasks(("embed",), 64, PoolingType.MEAN, True, (16, 32, 64))

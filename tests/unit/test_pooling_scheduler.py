@@ -15,10 +15,11 @@ import pytest
 
 from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
-from engine_svc.core.pooling_params import PoolingParams, PoolingTask, PoolingType
-from engine_svc.core.request import FinishReason, Request, RequestStatus
+from engine_svc.core.pooling_params import PoolingParams, PoolingType
+from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler, SchedulerOutput
+from protos.types import FinishReason, PoolingTask
 from tests.unit.model_info import model_info
 
 BS = 4

@@ -4,9 +4,10 @@ client's window bounds the messages in flight."""
 from __future__ import annotations
 
 from engine_svc.core.outputs import EngineCoreOutput
-from engine_svc.core.request import FinishReason, Logprobs, PhaseTimes
+from engine_svc.core.request import Logprobs, PhaseTimes
 from engine_svc.loop.clients import ClientBatch, LoadFigures
 from engine_svc.rpc.stream_outbox import StreamOutbox
+from protos.types import FinishReason
 
 
 def out(

@@ -1,6 +1,11 @@
-"""What crosses the engine boundary, as plain dataclasses (the engine client converts protobuf).
+"""The Python types that cross the engine boundary: what the gateway sends (a request, its
+sampling or pooling parameters as sent, ``None`` where the engine's default applies), what the
+engine answers (each step's outputs, finish reasons, error codes, load figures) and what its
+unary calls report (model info, LoRA adapters, the tokenizer).
 
-Nothing here knows about gRPC or HTTP; the routes and the output processing work on these.
+One definition each, imported by both services: the gateway works on these; the engine maps
+its own domain objects to and from them at its gRPC edge; :mod:`protos.convert` turns them into
+the contract's messages and back. Imports neither torch nor either service.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from dataclasses import dataclass, field
 
 
 class FinishReason(enum.Enum):
-    """Why a sequence ended; the value is the OpenAI spelling."""
+    """Why a sequence ended; the value (and ``str()``) is the OpenAI spelling."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class EngineErrorCode(enum.Enum):
@@ -32,31 +40,6 @@ class EngineErrorCode(enum.Enum):
     ALREADY_EXISTS = "already_exists"  # AddLora: the name is in use
     FAILED_PRECONDITION = "failed_precondition"  # the engine's state or setup rules the call out
     UNIMPLEMENTED = "unimplemented"  # the engine has no such rpc (an older engine)
-
-
-class EngineUnavailableError(Exception):
-    """The engine cannot be reached, or the connection broke while a request was in flight."""
-
-
-class EngineRequestError(Exception):
-    """The engine refused or failed one request."""
-
-    def __init__(self, code: EngineErrorCode, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-        self.message = message
-
-
-class EngineCallError(Exception):
-    """An engine refused or failed one of its unary calls (``rpc``: the contract's name, e.g.
-    ``AddLora``); ``address``: which engine (the pool names it when several answered)."""
-
-    def __init__(self, rpc: str, address: str, code: EngineErrorCode, message: str) -> None:
-        super().__init__(f"{rpc} on {address}: {code.value}: {message}")
-        self.rpc = rpc
-        self.address = address
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -101,12 +84,15 @@ class EngineSamplingParams:
 
 
 class PoolingTask(enum.Enum):
-    """What a pooling request computes (the contract's PoolingTask); the value is vLLM's task
-    name, as in ModelInfo.supported_tasks."""
+    """What a pooling request computes (the contract's PoolingTask); the value (and ``str()``)
+    is vLLM's task name, as in ModelInfo.supported_tasks."""
 
     EMBED = "embed"
     CLASSIFY = "classify"
     SCORE = "score"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
