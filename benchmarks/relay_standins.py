@@ -57,7 +57,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from protos.flow_window import FlowWindow
+from protos.stream_outbox import StreamOutbox
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 MODEL_NAME = "relay-bench"
@@ -101,7 +101,6 @@ class _Request:
     last: bytes  # the same with finish_reason LENGTH
     remaining: int
     first_step: int = -1
-    held: int = 0  # tokens of steps held while the client's window was full, not sent yet
     num_prompt_tokens: int = 0
 
 
@@ -115,13 +114,17 @@ class _ClientStream:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     steps: int = 0
     step_times: list[float] = field(default_factory=list)  # kept with --record only
-    # The client's FlowControl: the engine's own rule (protos.flow_window).
-    flow: FlowWindow = field(default_factory=FlowWindow)
-    held: dict[str, _Request] = field(default_factory=dict)  # requests with held tokens
-    held_steps: list[int] = field(default_factory=list)  # each held step's tokens
+    # The client's FlowControl and the steps held while its window is full, merged: the
+    # engine's own outbox (protos.stream_outbox). A step that finds nothing held and room in
+    # the window goes out at once as pre-encoded bytes, as the outbox would send it.
+    outbox: StreamOutbox = field(default_factory=StreamOutbox)
 
     def window_full(self) -> bool:
-        return self.flow.full
+        return self.outbox.flow_window.full
+
+    @property
+    def held(self) -> bool:
+        return not self.outbox.empty
 
 
 async def _woken_or_closed(s: _ClientStream, reader: asyncio.Task[None]) -> None:
@@ -234,15 +237,12 @@ class StandInEngine:
 
     def _abort(self, s: _ClientStream, request_ids: list[str]) -> None:
         for rid in request_ids:
-            if (r := s.running.pop(rid, None)) is not None:
-                held = s.held.pop(rid, None)  # its held tokens go with its final output
-                out = pb.RequestOutput(
-                    request_id=rid,
-                    new_token_ids=[self.token_id] * (held.held if held else 0),
-                    finish_reason=pb.FINISH_REASON_ABORT,
-                )
-                r.held = 0
-                s.finals.append(_len_field(1, out.SerializeToString()))
+            if s.running.pop(rid, None) is not None:
+                out = pb.RequestOutput(request_id=rid, finish_reason=pb.FINISH_REASON_ABORT)
+                if s.held:  # after its held tokens, merged into their entry
+                    s.outbox.add(pb.EngineCoreOutputs(outputs=[out]))
+                else:
+                    s.finals.append(_len_field(1, out.SerializeToString()))
                 s.wake.set()
 
     def _advance(self, s: _ClientStream) -> list[tuple[_Request, bool]]:
@@ -267,47 +267,37 @@ class StandInEngine:
         return advanced
 
     def _hold(self, s: _ClientStream) -> None:
-        """A step while the client's window is full: its tokens wait, merged, for room."""
+        """A step while the client's window is full: it waits in the outbox, merged."""
         if self.record:  # the step's time is now: the hold counts as latency
             s.step_times.append(time.monotonic())
         step, tokens = s.steps, 0
-        for r, _ in self._advance(s):
-            r.held += 1
-            s.held[r.request_id] = r
+        parts, s.finals = s.finals, []
+        for r, finished in self._advance(s):
+            parts.append(r.last if finished else r.entry)
             # as the engine counts a step: the prompts it completed and the tokens it generated
             tokens += 1 + (r.num_prompt_tokens if r.first_step == step else 0)
-        s.held_steps.append(tokens)
+        s.outbox.add(pb.EngineCoreOutputs.FromString(b"".join(parts)), tokens)
 
     def _flush(self, s: _ClientStream) -> bytes:
-        """One message with every held token (a request's in one entry) and the finals."""
-        parts, s.finals = s.finals, []
-        for r in s.held.values():
-            out = pb.RequestOutput(
-                request_id=r.request_id,
-                new_token_ids=[self.token_id] * r.held,
-                num_prompt_tokens=r.num_prompt_tokens,
-            )
-            if not r.remaining:
-                out.finish_reason = pb.FINISH_REASON_LENGTH
-            parts.append(_len_field(1, out.SerializeToString()))
-            r.held = 0
-        s.held.clear()
-        if len(s.held_steps) > 1:  # merged steps: each one's tokens, as the engine says them
-            steps = s.held_steps  # packed varints; below 128 a varint is its one byte
-            packed = bytes(steps) if max(steps) < 128 else b"".join(map(_varint, steps))
-            parts.append(_len_field(5, packed))
-        s.held_steps.clear()
-        return self._message(s, parts)
+        """The held steps, merged by the outbox (a request's tokens in one entry), as one
+        message."""
+        message = s.outbox.take()
+        message.load.num_running_requests = len(s.running)
+        self._count_message()
+        return message.SerializeToString()
 
     def _message(self, s: _ClientStream, parts: list[bytes]) -> bytes:
         load = pb.LoadStats(num_running_requests=len(s.running)).SerializeToString()
         parts.append(_len_field(3, load))
         parts.append(_TIMESTAMP_TAG + struct.pack("<d", time.time()))
-        s.flow.sent += 1
+        s.outbox.flow_window.sent += 1
+        self._count_message()
+        return b"".join(parts)
+
+    def _count_message(self) -> None:
         self.messages += 1
         if self.progress is not None:
             self.progress.set(MESSAGES, self.messages)
-        return b"".join(parts)
 
     def _step(self, s: _ClientStream) -> bytes:
         """One step for one stream: a token for each running request, as EngineCoreOutputs."""
@@ -325,7 +315,7 @@ class StandInEngine:
             elif kind == "abort":
                 self._abort(s, list(message.abort.request_ids))
             elif kind == "flow":
-                s.flow.flow(message.flow.window, message.flow.messages_read)
+                s.outbox.flow(message.flow.window, message.flow.messages_read)
                 s.wake.set()
 
     async def stream(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[bytes]:
@@ -337,7 +327,7 @@ class StandInEngine:
         try:
             while True:
                 if reader.done():
-                    s.flow.drop()  # half-closed: no more progress reports can come
+                    s.outbox.drop_window()  # half-closed: no more progress reports can come
                 if s.held and not s.window_full():
                     yield self._flush(s)
                     continue

@@ -71,8 +71,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.runner.lora)
         lora = config.lora
-        self.info = ModelInfo(
-            name=config.model.served_model_name or Path(config.model.model).name,
+        self.info = ModelInfo.of(
+            served_model_name=config.model.served_model_name or Path(config.model.model).name,
             max_model_len=max_len,
             vocab_size=self.runner.spec.vocab_size,
             eos_token_ids=_eos_ids(config.model.model, hf),

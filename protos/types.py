@@ -100,7 +100,7 @@ class EnginePoolingParams:
     """A pooling request's parameters (the contract's PoolingParams); ``None``: the engine's
     default (normalize and activation: on; dimensions: all)."""
 
-    task: PoolingTask
+    task: PoolingTask | None  # None: unset (the engine refuses it, naming the tasks served)
     dimensions: int | None = None  # embed only (Matryoshka)
     normalize: bool | None = None  # embed only
     activation: bool | None = None  # classify / score only
@@ -160,9 +160,10 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LoadFigures:
-    """Engine-wide load; the prefix-cache and preemption figures are cumulative totals."""
+    """Engine-wide load, as every engine message carries it; the prefix-cache and preemption
+    figures are cumulative totals."""
 
     num_running: int = 0
     num_waiting: int = 0

@@ -9,30 +9,47 @@ Pure and torch-free.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+from typing import Any
 
 from engine_svc.core.errors import ContextLengthError
-from engine_svc.core.pooling_params import ModelTasks, PoolingParams
+from engine_svc.core.pooling_params import ModelTasks, PoolingParams, PoolingType
 from engine_svc.core.sampling_params import SamplingParams
+from protos import types as contract
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """Facts about the served model, found at load time."""
+class ModelInfo(contract.ModelInfo):
+    """The contract's facts about the served model (``protos.types.ModelInfo``, one definition:
+    what GetModelInfo reports), plus the checks a request must pass against them. Build it with
+    ``of``, which takes the pooling facts as the engine's ``ModelTasks``."""
 
-    name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    block_size: int
-    num_kv_blocks: int
-    max_logprobs: int
-    enable_prefix_caching: bool
-    kv_cache_dtype: str  # "bfloat16", "float32" ...
-    tasks: ModelTasks = ModelTasks()  # what the model serves, and its pooling facts
-    max_loras: int = 0  # LoRA adapters on the device at once; 0: no adapters served
-    max_lora_rank: int = 0
+    @classmethod
+    def of(cls, tasks: ModelTasks | None = None, **facts: Any) -> ModelInfo:
+        """``facts``: the contract's fields but the pooling ones, which come from ``tasks``;
+        ``kv_capacity_tokens`` defaults to the blocks times their size."""
+        facts.setdefault("kv_capacity_tokens", facts["num_kv_blocks"] * facts["block_size"])
+        tasks = tasks or ModelTasks()
+        return cls(
+            supported_tasks=tasks.supported_tasks,
+            embedding_size=tasks.embedding_size,
+            pooling_type=tasks.pooling_type.value if tasks.pooling_type else "",
+            is_matryoshka=tasks.is_matryoshka,
+            matryoshka_dimensions=tasks.matryoshka_dimensions,
+            labels=tasks.labels,
+            **facts,
+        )
+
+    @functools.cached_property
+    def tasks(self) -> ModelTasks:
+        """What the model serves, and its pooling facts, as the engine checks them."""
+        return ModelTasks(
+            supported_tasks=self.supported_tasks,
+            embedding_size=self.embedding_size,
+            pooling_type=PoolingType(self.pooling_type) if self.pooling_type else None,
+            is_matryoshka=self.is_matryoshka,
+            matryoshka_dimensions=self.matryoshka_dimensions,
+            labels=self.labels,
+        )
 
     def check_prompt(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
         """Raise ``ValueError`` naming the problem with a prompt this model cannot take.

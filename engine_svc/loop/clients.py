@@ -1,6 +1,6 @@
 """The engine loop's clients and their requests: what a client receives for an engine step
-(``ClientBatch``, with the ``LoadFigures`` every message carries), where it goes (the client's
-sink), and which client owns which request (``Clients``).
+(``ClientBatch``, with the contract's ``LoadFigures`` every message carries), where it goes
+(the client's sink), and which client owns which request (``Clients``).
 
 Request ids are scoped per client: two clients may both send "req-1". Internally a request is
 ``"{client}/{id}"``; outputs go back under the client's own id.
@@ -15,64 +15,49 @@ from dataclasses import dataclass, field
 
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.scheduler import SchedulerStats
-from protos.types import FinishReason
+from protos.types import FinishReason, LoadFigures
 
 
-@dataclass(frozen=True, slots=True)
-class LoadFigures:
-    """Cumulative counters plus the latest gauges, as every client message carries them. A
-    snapshot: each step makes a new one (``after``), so a message built on the server's event
-    loop while the loop thread steps on reads one step's figures, never a mix of two."""
+def load_after(load: LoadFigures, s: SchedulerStats) -> LoadFigures:
+    """``load`` after a step whose scheduler stats are ``s``: its gauges, and its counters (that
+    step's, ``Scheduler.take_stats``) added to ours. A new snapshot per step, so a message built
+    on the server's event loop while the loop thread steps on reads one step's figures, never a
+    mix of two."""
+    return LoadFigures(
+        s.num_running,
+        s.num_waiting,
+        s.kv_cache_usage,
+        load.prefix_cache_queries + s.prefix_cache_queries,
+        load.prefix_cache_hits + s.prefix_cache_hits,
+        load.num_preemptions + s.num_preemptions,
+        _names(s.running_lora_adapters),
+        _names(s.waiting_lora_adapters),
+    )
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    # The LoRA adapters (names, sorted) of the running and of the waiting requests.
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
 
-    def after(self, s: SchedulerStats) -> LoadFigures:
-        """These figures after a step whose scheduler stats are ``s``: its gauges, and its
-        counters (that step's, ``Scheduler.take_stats``) added to ours."""
-        return LoadFigures(
-            s.num_running,
-            s.num_waiting,
-            s.kv_cache_usage,
-            self.prefix_cache_queries + s.prefix_cache_queries,
-            self.prefix_cache_hits + s.prefix_cache_hits,
-            self.num_preemptions + s.num_preemptions,
-            _names(s.running_lora_adapters),
-            _names(s.waiting_lora_adapters),
-        )
-
-    def with_gauges(self, s: SchedulerStats) -> LoadFigures:
-        """These figures with the gauges of ``s`` (requests, KV cache usage, adapters) and our
-        counters unchanged: after work between two steps (an abort, a sleep), whose counters
-        the next step's ``after`` adds (``Scheduler.stats`` reads them without taking them)."""
-        return LoadFigures(
-            s.num_running,
-            s.num_waiting,
-            s.kv_cache_usage,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.num_preemptions,
-            _names(s.running_lora_adapters),
-            _names(s.waiting_lora_adapters),
-        )
+def load_with_gauges(load: LoadFigures, s: SchedulerStats) -> LoadFigures:
+    """``load`` with the gauges of ``s`` (requests, KV cache usage, adapters) and its counters
+    unchanged: after work between two steps (an abort, a sleep), whose counters the next step's
+    ``load_after`` adds (``Scheduler.stats`` reads them without taking them)."""
+    return LoadFigures(
+        s.num_running,
+        s.num_waiting,
+        s.kv_cache_usage,
+        load.prefix_cache_queries,
+        load.prefix_cache_hits,
+        load.num_preemptions,
+        _names(s.running_lora_adapters),
+        _names(s.waiting_lora_adapters),
+    )
 
 
 @dataclass
 class ClientBatch:
-    """What one client receives for one engine step (or several merged: ``step_tokens``)."""
+    """What one client receives for one engine step."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     errors: list[tuple[str, Exception]] = field(default_factory=list)  # (request id, error)
     load: LoadFigures | None = None
-    # Several steps merged (rpc/stream_outbox.py): this client's tokens in each, in order.
-    step_tokens: tuple[int, ...] = ()
 
 
 Sink = Callable[[ClientBatch], None]

@@ -34,11 +34,19 @@ from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_core import EngineCore
-from engine_svc.loop.clients import ClientBatch, Clients, LoadFigures, Sink, internal_id
+from engine_svc.loop.clients import (
+    ClientBatch,
+    Clients,
+    Sink,
+    internal_id,
+    load_after,
+    load_with_gauges,
+)
 from engine_svc.loop.errors import Asleep, Draining, QueueFull, SleepCancelled, Unavailable
 from engine_svc.loop.liveness import Heartbeat
 from engine_svc.loop.sleep import SleepMode, settle
 from engine_svc.worker.sleep_mode import check_sleep_level
+from protos.types import LoadFigures
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -265,7 +273,7 @@ class EngineLoop:
                     break
                 if self.core.has_unfinished_requests():
                     step = self.core.step()
-                    self.load = self.load.after(step.stats)
+                    self.load = load_after(self.load, step.stats)
                     self._route(step.outputs, step.errors)
                 if self._sleep.pending:
                     self._try_sleep()
@@ -353,7 +361,7 @@ class EngineLoop:
         with self._lock:
             self._sleep.went_to_sleep(error is None)
         if error is None:
-            self.load = self.load.with_gauges(self.core.scheduler.stats())
+            self.load = load_with_gauges(self.load, self.core.scheduler.stats())
             logger.info("engine asleep (level %d)", level)
         elif not isinstance(error, ValueError):
             logger.error("the engine failed to go to sleep: %s", error)
@@ -375,7 +383,7 @@ class EngineLoop:
         finals = {o.request_id: o for o in self.core.abort_requests(item.internal_ids)}
         # Aborts free blocks and slots outside a step: refresh the gauges now, or an idle
         # engine keeps reporting (and admitting against) the figures of its last step.
-        self.load = self.load.with_gauges(self.core.scheduler.stats())
+        self.load = load_with_gauges(self.load, self.core.scheduler.stats())
         with self._lock:
             batches = self._clients.aborted(item.internal_ids, finals)
         self._deliver(batches)

@@ -1,118 +1,108 @@
-"""The one adapter between protobuf messages and engine domain objects (engine side)."""
+"""The engine's domain objects and the contract, at the gRPC edge: a request as sent
+(``protos.types``, read by ``protos.convert.request_from_pb``) to the engine's own sampling and
+pooling parameters; the engine's step outputs, errors, LoRA records and model facts to the
+contract's messages. The wire format itself is ``protos.convert``'s: this module only maps the
+engine's types onto it.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-import numpy.typing as npt
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
-from engine_svc.core.model_info import ModelInfo
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import PoolingParams
-from engine_svc.core.request import Logprobs
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
-from engine_svc.loop.clients import LoadFigures
 from engine_svc.loop.errors import QueueFull, Unavailable
 from engine_svc.lora.errors import LoRACapacityError, LoRANotFoundError
 from engine_svc.lora.registry import LoRAInfo
+from protos.convert import FINISH_TO_PB, pooled_data_bytes, token_logprob_to_pb
 from protos.tandem.engine.v1 import engine_pb2 as pb
-from protos.types import FinishReason, PoolingTask
+from protos.types import (
+    EngineErrorCode,
+    EnginePoolingParams,
+    EngineSamplingParams,
+    LoraAdapter,
+    StructuredOutput,
+)
 
-_FINISH = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-}
 
-
-def sampling_params_from_pb(m: pb.SamplingParams, max_logprobs: int) -> SamplingParams:
-    """Proto -> SamplingParams; unset optionals take their real defaults. Raises ValueError."""
+def sampling_params(sp: EngineSamplingParams, max_logprobs: int) -> SamplingParams:
+    """The parameters as sent -> the engine's, unset ones taking their real defaults. Raises
+    ValueError naming a parameter out of range (``SamplingParams`` checks them)."""
     return SamplingParams(
-        max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
-        min_tokens=m.min_tokens,
-        temperature=m.temperature if m.HasField("temperature") else 1.0,
-        top_p=m.top_p if m.HasField("top_p") else 1.0,
-        top_k=m.top_k,
-        min_p=m.min_p,
-        seed=m.seed if m.HasField("seed") else None,
-        stop_token_ids=list(m.stop_token_ids),
-        ignore_eos=m.ignore_eos,
-        presence_penalty=m.presence_penalty,
-        frequency_penalty=m.frequency_penalty,
-        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
-        logprobs=m.logprobs if m.HasField("logprobs") else None,
-        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        max_tokens=sp.max_tokens,
+        min_tokens=sp.min_tokens,
+        temperature=1.0 if sp.temperature is None else sp.temperature,
+        top_p=1.0 if sp.top_p is None else sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        seed=sp.seed,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+        logprobs=sp.logprobs,
+        prompt_logprobs=sp.prompt_logprobs,
         max_logprobs=max_logprobs,
-        structured_output=(
-            structured_output_from_pb(m.structured_output)
-            if m.HasField("structured_output")
-            else None
-        ),
-        logit_bias=dict(m.logit_bias) or None,
-        allowed_token_ids=list(m.allowed_token_ids) or None,
-        bad_words_token_ids=[list(w.token_ids) for w in m.bad_words] or None,
+        structured_output=structured_output(sp.structured_output),
+        logit_bias=dict(sp.logit_bias) or None,
+        allowed_token_ids=list(sp.allowed_token_ids) or None,
+        bad_words_token_ids=[list(w) for w in sp.bad_words] or None,
     )
 
 
-_TASKS = {
-    pb.POOLING_TASK_EMBED: PoolingTask.EMBED,
-    pb.POOLING_TASK_CLASSIFY: PoolingTask.CLASSIFY,
-    pb.POOLING_TASK_SCORE: PoolingTask.SCORE,
-}
+def structured_output(so: StructuredOutput | None) -> StructuredOutputParams | None:
+    if so is None:
+        return None
+    if so.kind == "choice":
+        return StructuredOutputParams(choice=so.choices)
+    if so.kind == "json_object":
+        return StructuredOutputParams(json_object=True)
+    if so.kind == "regex":
+        return StructuredOutputParams(regex=so.spec)
+    if so.kind == "grammar":
+        return StructuredOutputParams(grammar=so.spec)
+    if so.kind == "json_schema":
+        return StructuredOutputParams(json_schema=so.spec)
+    raise ValueError(f"structured_output has an unknown kind {so.kind!r}")
 
 
-def pooling_params_from_pb(m: pb.PoolingParams) -> PoolingParams:
-    """Proto -> PoolingParams (unchecked against the model: ``ModelInfo.check_pooling``).
-    POOLING_TASK_UNSPECIFIED becomes no task; an unknown enum value raises ValueError."""
-    task = None
-    if m.task != pb.POOLING_TASK_UNSPECIFIED:
-        task = _TASKS.get(m.task)
-        if task is None:
-            raise ValueError(f"pooling_params.task has an unknown value {m.task}")
+def pooling_params(pp: EnginePoolingParams) -> PoolingParams:
+    """Unchecked against the model: ``ModelInfo.check_pooling`` does that."""
     return PoolingParams(
-        task=task,
-        dimensions=m.dimensions if m.HasField("dimensions") else None,
-        normalize=m.normalize if m.HasField("normalize") else None,
-        activation=m.activation if m.HasField("activation") else None,
+        task=pp.task, dimensions=pp.dimensions, normalize=pp.normalize, activation=pp.activation
     )
 
 
-def structured_output_from_pb(m: pb.StructuredOutput) -> StructuredOutputParams:
-    """Proto -> StructuredOutputParams (shape checks only). Raises ValueError naming the field."""
-    kind = m.WhichOneof("kind")
-    if kind is None:
-        raise ValueError("structured_output must set one of its kinds")
-    if kind == "json_object" and not m.json_object:
-        raise ValueError("structured_output.json_object must be true when set")
-    if kind == "choice":
-        return StructuredOutputParams(choice=tuple(m.choice.choices))
-    return StructuredOutputParams(**{kind: getattr(m, kind)})
-
-
-def _logprob_pb(lp: Logprobs) -> pb.TokenLogprob:
-    return pb.TokenLogprob(
-        token_id=lp.token_id,
-        logprob=lp.logprob,
-        rank=lp.rank,
-        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
-    )
-
-
-def output_to_pb(o: EngineCoreOutput) -> pb.RequestOutput:
-    m = pb.RequestOutput(
+def add_output(
+    outputs: RepeatedCompositeFieldContainer[pb.RequestOutput], o: EngineCoreOutput
+) -> pb.RequestOutput:
+    """One request's output of an engine step, added to a message's ``outputs`` (built in
+    place: 1.1 us for a plain token, where building it apart and copying it in costs 2.7). Runs
+    once per request per step: what is empty or unset is skipped, not converted."""
+    m = outputs.add(
         request_id=o.request_id,
         new_token_ids=o.new_token_ids,
-        logprobs=[_logprob_pb(lp) for lp in o.new_logprobs],
-        finish_reason=_FINISH[o.finish_reason],
         num_cached_tokens=o.num_cached_tokens,
         num_prompt_tokens=o.num_prompt_tokens,
     )
-    if o.stop_reason is not None:
-        m.stop_reason = o.stop_reason
+    if o.new_logprobs:
+        m.logprobs.extend(
+            token_logprob_to_pb(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in o.new_logprobs
+        )
     if o.prompt_logprobs is not None:
         # The first prompt token has no logprob; entry i is about prompt token i + 1.
-        m.prompt_logprobs.extend(_logprob_pb(lp) for lp in o.prompt_logprobs if lp is not None)
+        m.prompt_logprobs.extend(
+            token_logprob_to_pb(lp.token_id, lp.logprob, lp.rank, lp.top)
+            for lp in o.prompt_logprobs
+            if lp is not None
+        )
+    if o.finish_reason is not None:
+        m.finish_reason = FINISH_TO_PB[o.finish_reason]
+        if o.stop_reason is not None:
+            m.stop_reason = o.stop_reason
     if o.pooled is not None:
         m.pooled.MergeFromString(pooled_data_bytes(o.pooled))
     if o.phase_times is not None:
@@ -123,88 +113,31 @@ def output_to_pb(o: EngineCoreOutput) -> pb.RequestOutput:
     return m
 
 
-def pooled_data_bytes(values: npt.NDArray[np.float32]) -> bytes:
-    """``PooledData`` in wire format: field 1 as one packed run of little-endian float32s.
-
-    Parsing these bytes fills ``data`` in one copy: ~2 us for 4,096 floats, against ~140 us for
-    ``data.extend(values.tolist())`` (a Python float per value).
-    """
-    raw = np.ascontiguousarray(values, dtype="<f4").tobytes()
-    n, length = len(raw), bytearray()
-    while n > 0x7F:  # the length as a base-128 varint
-        length.append((n & 0x7F) | 0x80)
-        n >>= 7
-    length.append(n)
-    return b"\x0a" + bytes(length) + raw  # tag: field 1, wire type 2 (length-delimited)
+def output_to_pb(o: EngineCoreOutput) -> pb.RequestOutput:
+    """One output as a message of its own (the Generate rpc's)."""
+    return add_output(pb.EngineCoreOutputs().outputs, o)
 
 
-def lora_info_to_pb(info: LoRAInfo) -> pb.LoraInfo:
-    return pb.LoraInfo(
-        lora_name=info.name,
-        lora_path=info.path,
-        rank=info.rank,
-        pinned=info.pinned,
-        on_device=info.on_device,
+def lora_adapter(info: LoRAInfo) -> LoraAdapter:
+    return LoraAdapter(
+        name=info.name, path=info.path, rank=info.rank, pinned=info.pinned, on_device=info.on_device
     )
 
 
-def load_to_pb(load: LoadFigures) -> pb.LoadStats:
-    stats = pb.LoadStats(
-        num_running_requests=load.num_running,
-        num_waiting_requests=load.num_waiting,
-        kv_cache_usage=load.kv_cache_usage,
-        prefix_cache_queries=load.prefix_cache_queries,
-        prefix_cache_hits=load.prefix_cache_hits,
-        num_preemptions=load.num_preemptions,
-    )
-    if running := load.running_lora_adapters:  # (only with LoRA adapters in use)
-        stats.running_lora_adapters.extend(running)
-    if waiting := load.waiting_lora_adapters:
-        stats.waiting_lora_adapters.extend(waiting)
-    return stats
-
-
-def model_info_to_pb(info: ModelInfo, model_source: str, version: str) -> pb.GetModelInfoResponse:
-    m = pb.GetModelInfoResponse(
-        served_model_name=info.name,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids),
-        block_size=info.block_size,
-        num_kv_blocks=info.num_kv_blocks,
-        kv_capacity_tokens=info.num_kv_blocks * info.block_size,
-        max_logprobs=info.max_logprobs,
-        model_source=model_source,
-        engine_version=version,
-        enable_prefix_caching=info.enable_prefix_caching,
-        kv_cache_dtype=info.kv_cache_dtype,
-        supported_tasks=list(info.tasks.supported_tasks),
-        embedding_size=info.tasks.embedding_size,
-        pooling_type=info.tasks.pooling_type.value if info.tasks.pooling_type else "",
-        is_matryoshka=info.tasks.is_matryoshka,
-        matryoshka_dimensions=list(info.tasks.matryoshka_dimensions),
-        labels=list(info.tasks.labels),
-        max_loras=info.max_loras,
-        max_lora_rank=info.max_lora_rank,
-    )
-    if info.bos_token_id is not None:
-        m.bos_token_id = info.bos_token_id
-    return m
-
-
-def error_code(e: Exception) -> int:
+def error_code(e: Exception) -> EngineErrorCode:
+    """The contract's code for a request the engine refused or failed."""
     if isinstance(e, QueueFull):
-        return int(pb.ERROR_CODE_RESOURCE_EXHAUSTED)
+        return EngineErrorCode.RESOURCE_EXHAUSTED
     if isinstance(e, Unavailable):
-        return int(pb.ERROR_CODE_UNAVAILABLE)
+        return EngineErrorCode.UNAVAILABLE
     if isinstance(e, ContextLengthError):
-        return int(pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED)
+        return EngineErrorCode.CONTEXT_LENGTH_EXCEEDED
     if isinstance(e, DuplicateRequestError):
-        return int(pb.ERROR_CODE_DUPLICATE_REQUEST_ID)
+        return EngineErrorCode.DUPLICATE_REQUEST_ID
     if isinstance(e, LoRANotFoundError):
-        return int(pb.ERROR_CODE_NOT_FOUND)
+        return EngineErrorCode.NOT_FOUND
     if isinstance(e, LoRACapacityError):  # every device slot is pinned by other adapters
-        return int(pb.ERROR_CODE_RESOURCE_EXHAUSTED)
+        return EngineErrorCode.RESOURCE_EXHAUSTED
     if isinstance(e, ValueError):
-        return int(pb.ERROR_CODE_INVALID_ARGUMENT)
-    return int(pb.ERROR_CODE_INTERNAL)
+        return EngineErrorCode.INVALID_ARGUMENT
+    return EngineErrorCode.INTERNAL

@@ -32,6 +32,7 @@ from engine_svc.lora.errors import (
     LoRANotFoundError,
 )
 from engine_svc.rpc import convert
+from protos.convert import lora_to_pb
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 T = TypeVar("T")
@@ -84,7 +85,7 @@ class LoRARpcs:
             await context.abort(lora_status(e), str(e))
             raise
         info = await self._on_loop(lambda core: core.add_lora(name, adapter, request.pin), context)
-        return pb.AddLoraResponse(lora=convert.lora_info_to_pb(info))
+        return pb.AddLoraResponse(lora=lora_to_pb(convert.lora_adapter(info)))
 
     async def RemoveLora(  # noqa: N802
         self, request: pb.RemoveLoraRequest, context: grpc.aio.ServicerContext
@@ -96,7 +97,7 @@ class LoRARpcs:
         self, request: pb.ListLorasRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListLorasResponse:
         infos = await self._on_loop(lambda core: core.list_loras(), context)
-        return pb.ListLorasResponse(loras=[convert.lora_info_to_pb(i) for i in infos])
+        return pb.ListLorasResponse(loras=[lora_to_pb(convert.lora_adapter(i)) for i in infos])
 
     async def PinLora(  # noqa: N802
         self, request: pb.PinLoraRequest, context: grpc.aio.ServicerContext

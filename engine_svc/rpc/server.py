@@ -104,7 +104,7 @@ async def _serve_built(
     watchdog = asyncio.create_task(_watch_progress(loop, health_service), name="engine-health")
     logger.info(
         "engine serving %s on %s:%d (%s)",
-        core.info.name,
+        core.info.served_model_name,
         config.host,
         bound,
         config.tls.mode if config.tls else "plaintext",

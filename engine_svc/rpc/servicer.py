@@ -15,10 +15,9 @@ import asyncio
 import itertools
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,9 @@ from engine_svc.rpc import convert
 from engine_svc.rpc.handlers import Malformed
 from engine_svc.rpc.lora_rpcs import LoRARpcs, lora_status
 from engine_svc.rpc.open_calls import OpenCalls
-from engine_svc.rpc.stream_outbox import StreamOutbox
 from engine_svc.rpc.utility_rpcs import UtilityRpcs
+from protos.convert import error_code_to_pb, load_to_pb, model_info_to_pb, request_from_pb
+from protos.stream_outbox import StreamOutbox
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -130,21 +130,22 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
         """Raise ValueError naming the bad field; returns (id, prompt, SamplingParams, the
         checked PoolingParams of a pooling request or None). A pooling request's
         sampling_params are ignored (the contract)."""
-        if not add.request_id:
+        request = request_from_pb(add)
+        if not request.request_id:
             raise ValueError("request_id must not be empty")
-        prompt = list(add.prompt_token_ids)
-        if add.HasField("pooling_params"):
-            pooling = convert.pooling_params_from_pb(add.pooling_params)
+        prompt = list(request.prompt_token_ids)
+        if request.pooling_params is not None:
+            pooling = convert.pooling_params(request.pooling_params)
             return (
-                add.request_id,
+                request.request_id,
                 prompt,
                 _POOLING_SAMPLING,
                 self.info.check_pooling(prompt, pooling),
             )
-        params = convert.sampling_params_from_pb(add.sampling_params, self.info.max_logprobs)
+        params = convert.sampling_params(request.sampling_params, self.info.max_logprobs)
         self.info.check_request(prompt, params.max_tokens)
         self.info.check_params(params)
-        return add.request_id, prompt, params, None
+        return request.request_id, prompt, params, None
 
     def _submit(self, client: str, add: pb.AddRequest) -> None:
         rid, prompt, params, pooling = self._validate(add)
@@ -217,12 +218,12 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                     if stopping is not None:  # what came after the close goes out too
                         _take_batches(inbox, outbox)
                     if outbox.ready():
-                        batch = outbox.take()
+                        message = outbox.take()
                         # The ids that end here travel with the message, so this handler
                         # counts them itself (see ``in_flight`` above).
-                        in_flight.end([o.request_id for o in batch.outputs if o.finished])
-                        in_flight.end([rid for rid, _ in batch.errors])
-                        yield _batch_to_pb(batch)
+                        in_flight.end([o.request_id for o in message.outputs if o.finish_reason])
+                        in_flight.end([e.request_id for e in message.errors])
+                        yield message
                         continue
                     if stopping is not None:
                         await context.abort(stopping.code, stopping.details)
@@ -232,7 +233,7 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                         break
                 item = await inbox.get()
                 if isinstance(item, ClientBatch):
-                    outbox.add(item)
+                    outbox.add(*_batch_to_pb(item))
                 elif item is None:
                     half_closed = True
                     outbox.drop_window()  # no progress can come
@@ -291,7 +292,7 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
                     return  # abort() raises; this only tells type checkers
                 for _, err in batch.errors:
                     await context.abort(_status_code(err), str(err))
-                load = convert.load_to_pb(batch.load) if batch.load else None
+                load = load_to_pb(batch.load) if batch.load else None
                 for o in batch.outputs:
                     yield pb.GenerateResponse(output=convert.output_to_pb(o), load=load)
                     if o.finished:
@@ -309,7 +310,9 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        return convert.model_info_to_pb(self.info, str(self.model_dir), self.version)
+        return model_info_to_pb(
+            replace(self.info, model_source=str(self.model_dir), engine_version=self.version)
+        )
 
     async def GetTokenizer(  # noqa: N802
         self, request: pb.GetTokenizerRequest, context: grpc.aio.ServicerContext
@@ -377,20 +380,22 @@ def _take_batches(inbox: asyncio.Queue[_StreamItem], outbox: StreamOutbox) -> No
     queue, progress wake-ups and the reader's end, no longer matters)."""
     while not inbox.empty():
         if isinstance(queued := inbox.get_nowait(), ClientBatch):
-            outbox.add(queued)
+            outbox.add(*_batch_to_pb(queued))
 
 
-def _batch_to_pb(batch: ClientBatch) -> pb.EngineCoreOutputs:
-    msg = pb.EngineCoreOutputs(
-        outputs=[convert.output_to_pb(o) for o in batch.outputs],
-        errors=[
-            pb.RequestError(request_id=rid, code=convert.error_code(e), message=str(e))  # type: ignore[arg-type]
-            for rid, e in batch.errors
-        ],
-        timestamp=time.time(),
-    )
+def _batch_to_pb(batch: ClientBatch) -> tuple[pb.EngineCoreOutputs, int]:
+    """A step's batch for this client as the contract's message (stamped when sent), and the
+    tokens the step carried for it: the prompts it completed (vLLM's iteration tokens count a
+    prompt with its first token or pooled result) plus the tokens it generated."""
+    msg = pb.EngineCoreOutputs()
+    outputs = msg.outputs
+    for o in batch.outputs:
+        convert.add_output(outputs, o)
+    for rid, e in batch.errors:
+        msg.errors.add(request_id=rid, code=error_code_to_pb(convert.error_code(e)), message=str(e))
     if batch.load is not None:
-        msg.load.CopyFrom(convert.load_to_pb(batch.load))
-    if batch.step_tokens:
-        msg.step_tokens.extend(batch.step_tokens)
-    return msg
+        msg.load.CopyFrom(load_to_pb(batch.load))
+    tokens = sum(
+        len(o.new_token_ids) + (o.num_prompt_tokens if o.first else 0) for o in batch.outputs
+    )
+    return msg, tokens

@@ -1,6 +1,6 @@
-"""The gateway's side of the engine contract: the stream and the unary calls. This module and
-:mod:`frontend_svc.engine.messages` (the messages as the gateway's types) are the only ones that
-import the generated stubs.
+"""The gateway's side of the engine contract: the stream and the unary calls. The only module of
+the gateway that imports the generated stubs; :mod:`protos.convert` turns the messages into the
+contract's types (:mod:`protos.types`) and back.
 
 One :class:`EngineClient` per engine keeps one long-lived bidirectional ``Stream`` open. Each
 request gets its own :class:`~frontend_svc.engine.collector.OutputCollector`; the engine's
@@ -43,15 +43,8 @@ from frontend_svc.engine.collector import OutputCollector
 from frontend_svc.engine.errors import EngineCallError, EngineRequestError, EngineUnavailableError
 from frontend_svc.engine.events import EngineEvents
 from frontend_svc.engine.health import HealthFollower
-from frontend_svc.engine.messages import (
-    add_request,
-    engine_output,
-    error_code,
-    load_figures,
-    lora_adapter,
-    model_info,
-)
 from frontend_svc.engine.reconnect_log import ReconnectLog
+from protos import convert
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 from protos.types import (
@@ -176,7 +169,7 @@ class EngineClient:
             raise ValueError(f"request id {rid!r} is already in flight")
         collector = collectors[rid] = OutputCollector()
         epoch = self._epoch
-        outbox.put_nowait(pb.EngineCoreRequest(add=add_request(request)))
+        outbox.put_nowait(pb.EngineCoreRequest(add=convert.request_to_pb(request)))
         produced = False
         try:
             # take() and wait() rather than ``await collector.get()``: a coroutine fewer to run
@@ -211,7 +204,7 @@ class EngineClient:
         """Load a PEFT adapter directory under ``name`` (``pin``: keep it on the device)."""
         request = pb.AddLoraRequest(lora_name=name, lora_path=path, pin=pin)
         reply = await self._call("AddLora", lambda stub: stub.AddLora(request))
-        return lora_adapter(reply.lora)
+        return convert.lora_from_pb(reply.lora)
 
     async def remove_lora(self, name: str) -> None:
         request = pb.RemoveLoraRequest(lora_name=name)
@@ -223,7 +216,7 @@ class EngineClient:
         reply = await self._call(
             "ListLoras", lambda stub: stub.ListLoras(pb.ListLorasRequest(), timeout=timeout)
         )
-        return tuple(lora_adapter(lo) for lo in reply.loras)
+        return tuple(convert.lora_from_pb(lo) for lo in reply.loras)
 
     async def pin_lora(self, name: str) -> None:
         request = pb.PinLoraRequest(lora_name=name)
@@ -322,7 +315,7 @@ class EngineClient:
         watcher: asyncio.Task[None] | None = None
         try:
             stub = self._stub = pb_grpc.EngineStub(channel)
-            info = model_info(
+            info = convert.model_info_from_pb(
                 await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._rpc_timeout_s)
             )
             files = await self._fetch_tokenizer(stub)
@@ -399,13 +392,13 @@ class EngineClient:
 
     def _dispatch(self, message: pb.EngineCoreOutputs) -> None:
         if message.HasField("load"):
-            self._events.load(self.address, load_figures(message.load))
+            self._events.load(self.address, convert.load_from_pb(message.load))
         collectors = self._collectors
         prompt_tokens = generation_tokens = 0  # of the requests still listened to, as vLLM counts
         for out in message.outputs:
             collector = collectors.get(out.request_id)
             if collector is not None:
-                output = engine_output(out)
+                output = convert.output_from_pb(out)
                 num_new = len(output.new_token_ids)
                 # The prompt counts once: with a request's first token, or with a pooling
                 # request's result (vLLM counts both).
@@ -419,7 +412,7 @@ class EngineClient:
         for err in message.errors:
             collector = collectors.get(err.request_id)
             if collector is not None:
-                code = error_code(err.code)
+                code = convert.error_code_from_pb(err.code)
                 collector.fail(EngineRequestError(code, err.message))
 
     def _fail_in_flight(self, reason: str) -> None:

@@ -5,7 +5,7 @@ token per engine step, for every running request. It honours max_tokens, min_tok
 stop_token_ids, logprobs, prompt_logprobs, aborts and a request limit (queue full), and it
 exposes what happened (requests in flight, aborted ids) so tests can assert on it. A Stream's
 window (FlowControl) is honoured: at most that many messages unread in flight; the steps made
-meanwhile wait as messages of their own (the real engine merges them).
+meanwhile are merged by the engine's own ``protos.stream_outbox.StreamOutbox``.
 
 Given ``supported_tasks`` with pooling tasks it also answers pooling requests, after
 ``pooling_steps`` steps, with ``fake_pooled``: a vector computed from the prompt's ids and their
@@ -41,7 +41,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.flow_window import FlowWindow
+from protos.stream_outbox import StreamOutbox
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -51,6 +51,10 @@ _CHUNK_BYTES = 4096  # small, to exercise reassembly of tokenizer files
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+
+# A step's message for one client, and the tokens it carried (prompts completed + generated).
+Step = tuple[pb.EngineCoreOutputs, int]
+Sink = asyncio.Queue[Step]
 
 _TASK_NAMES = {
     pb.POOLING_TASK_EMBED: "embed",
@@ -106,7 +110,7 @@ class _Running:
     prompt: list[int]
     params: pb.SamplingParams
     max_tokens: int
-    sink: asyncio.Queue[pb.EngineCoreOutputs]
+    sink: Sink
     offset: int
     cached: int
     output: list[int] = field(default_factory=list)
@@ -254,7 +258,7 @@ class FakeEngine:
 
     # -- the "model" --------------------------------------------------------------------------
 
-    def add(self, add: pb.AddRequest, sink: asyncio.Queue[pb.EngineCoreOutputs]) -> str | None:
+    def add(self, add: pb.AddRequest, sink: Sink) -> str | None:
         """Admit a request, or put a RequestError into ``sink``. Returns the id if admitted."""
         rid = add.request_id or uuid.uuid4().hex
         p = add.sampling_params
@@ -283,7 +287,7 @@ class FakeEngine:
             )
         if error is not None:
             err = pb.RequestError(request_id=rid, code=error[0], message=error[1])
-            sink.put_nowait(pb.EngineCoreOutputs(errors=[err], load=self._load()))
+            sink.put_nowait((pb.EngineCoreOutputs(errors=[err], load=self._load()), 0))
             return None
         seed = p.seed if p.HasField("seed") else 0
         seed += sum(map(ord, add.lora_name))  # an adapter changes the "model"'s output
@@ -341,7 +345,7 @@ class FakeEngine:
             n += 1
             self.aborted.append(rid)
             final = self._output(r, [], pb.FINISH_REASON_ABORT, None)
-            r.sink.put_nowait(pb.EngineCoreOutputs(outputs=[final], load=self._load()))
+            r.sink.put_nowait((pb.EngineCoreOutputs(outputs=[final], load=self._load()), 0))
         return n
 
     async def _step_loop(self) -> None:
@@ -350,7 +354,7 @@ class FakeEngine:
             self.step()
 
     def step(self) -> None:
-        by_sink: dict[int, tuple[asyncio.Queue[pb.EngineCoreOutputs], list[pb.RequestOutput]]] = {}
+        by_sink: dict[int, tuple[Sink, list[pb.RequestOutput], list[int]]] = {}
         for r in list(self.requests.values()):
             if r.pooling is not None:
                 r.steps_left -= 1
@@ -358,8 +362,9 @@ class FakeEngine:
                     continue
                 del self.requests[r.request_id]
                 pooled = fake_pooled(r.prompt, r.pooling, self.embedding_size, len(self.labels))
-                entry = by_sink.setdefault(id(r.sink), (r.sink, []))
+                entry = by_sink.setdefault(id(r.sink), (r.sink, [], [0]))
                 entry[1].append(self._output(r, [], pb.FINISH_REASON_STOP, None, pooled))
+                entry[2][0] += len(r.prompt)  # a pooled result counts its prompt
                 continue
             token = self.script[(r.offset + len(r.output)) % len(self.script)]
             r.output.append(token)
@@ -374,11 +379,12 @@ class FakeEngine:
                 finish = pb.FINISH_REASON_LENGTH
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 del self.requests[r.request_id]
-            entry = by_sink.setdefault(id(r.sink), (r.sink, []))
+            entry = by_sink.setdefault(id(r.sink), (r.sink, [], [0]))
+            entry[2][0] += 1 + (len(r.prompt) if r.first else 0)  # a first token: its prompt too
             entry[1].append(self._output(r, [token], finish, stop_reason))
         load = self._load()
-        for sink, outputs in by_sink.values():
-            sink.put_nowait(pb.EngineCoreOutputs(outputs=outputs, load=load, timestamp=time.time()))
+        for sink, outputs, tokens in by_sink.values():
+            sink.put_nowait((pb.EngineCoreOutputs(outputs=outputs, load=load), tokens[0]))
 
     def _output(
         self,
@@ -478,11 +484,10 @@ class _Servicer(pb_grpc.EngineServicer):
         self, request_iterator: AsyncIterator[pb.EngineCoreRequest], context: object
     ) -> AsyncIterator[pb.EngineCoreOutputs]:
         engine = self.engine
-        sink: asyncio.Queue[pb.EngineCoreOutputs] = asyncio.Queue()
+        sink: Sink = asyncio.Queue()
         owned: set[str] = set()
-        # The client's window (the engine's own rule, protos.flow_window): the messages wait in
-        # ``sink`` meanwhile, one per step (this engine does not merge them).
-        window = FlowWindow()
+        # The steps not sent yet, merged, and the client's window: the engine's own outbox.
+        outbox = StreamOutbox()
         room = asyncio.Event()
 
         async def read() -> None:
@@ -494,43 +499,45 @@ class _Servicer(pb_grpc.EngineServicer):
                         owned.add(rid)
                 elif kind == "flow":
                     engine.flow.append((message.flow.window, message.flow.messages_read))
-                    window.flow(message.flow.window, message.flow.messages_read)
+                    outbox.flow(message.flow.window, message.flow.messages_read)
                     room.set()
                 elif kind == "abort":
                     engine.abort_requests.extend(message.abort.request_ids)
                     engine.abort(list(message.abort.request_ids))
 
         reader = asyncio.create_task(read())
-        get: asyncio.Future[pb.EngineCoreOutputs] | None = None
         try:
             while True:
-                if window.full and not reader.done():
-                    room.clear()
-                    wait = asyncio.ensure_future(room.wait())
-                    await asyncio.wait({wait, reader}, return_when=asyncio.FIRST_COMPLETED)
-                    wait.cancel()
+                while not sink.empty():  # everything queued is merged before a message goes
+                    outbox.add(*sink.get_nowait())
+                if reader.done():
+                    outbox.drop_window()  # half-closed: no progress can come
+                if outbox.ready():
+                    yield outbox.take()
                     continue
+                if reader.done():
+                    break  # the client half-closed: closing the stream aborts what it carried
+                room.clear()
                 get = asyncio.ensure_future(sink.get())
-                await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                wait = asyncio.ensure_future(room.wait())
+                await asyncio.wait({get, wait, reader}, return_when=asyncio.FIRST_COMPLETED)
+                wait.cancel()
                 if get.done():
-                    window.sent += 1
-                    yield get.result()
-                    continue
-                break  # the client half-closed: closing the stream aborts what it carried
+                    outbox.add(*get.result())
+                else:
+                    get.cancel()
         finally:
             reader.cancel()
-            if get is not None:
-                get.cancel()
             engine.abort([rid for rid in owned if rid in engine.requests])
 
     async def Generate(  # noqa: N802
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        sink: asyncio.Queue[pb.EngineCoreOutputs] = asyncio.Queue()
+        sink: Sink = asyncio.Queue()
         rid = self.engine.add(request.request, sink)
         try:
             while True:
-                message = await sink.get()
+                message, _ = await sink.get()
                 if message.errors:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.errors[0].message)
                 for out in message.outputs:

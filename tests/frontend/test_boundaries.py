@@ -42,14 +42,25 @@ def _importers(folder: str, *needles: str) -> list[str]:
     )
 
 
+# The stubs, and the contract's modules that speak the wire format (messages <-> types, the
+# Stream's outbox): the types themselves (protos.types) are for everyone.
+_WIRE = (
+    "protos.tandem",
+    "engine_pb2",
+    "protos.convert",
+    "protos.stream_outbox",
+    "protos import convert",
+)
+
+
 def test_only_the_gateways_engine_folder_imports_the_stubs() -> None:
-    importers = _importers("frontend_svc", "protos.tandem", "engine_pb2")
+    importers = _importers("frontend_svc", *_WIRE)
     assert importers, "the rule must look at something"
     assert all(p.startswith("frontend_svc/engine/") for p in importers), importers
 
 
 def test_only_the_engines_rpc_folder_imports_the_stubs() -> None:
-    importers = _importers("engine_svc", "protos.tandem", "engine_pb2")
+    importers = _importers("engine_svc", *_WIRE)
     assert importers, "the rule must look at something"
     assert all(p.startswith("engine_svc/rpc/") for p in importers), importers
 
@@ -82,3 +93,24 @@ def test_the_contract_package_imports_no_torch_and_neither_service() -> None:
         "assert not bad, bad\n"
     )
     _runs_clean(code)
+
+
+def test_each_type_of_the_contract_is_defined_once() -> None:
+    """The types that cross the boundary, the window and the merge rule live in protos/ only;
+    the engine's ModelInfo may extend the contract's (its checks), not redefine its fields."""
+    import protos.types
+
+    names = {
+        n
+        for n, v in vars(protos.types).items()
+        if isinstance(v, type) and v.__module__ == "protos.types"
+    } | {"FlowWindow", "StreamOutbox"}
+    assert {"EngineRequest", "LoadFigures", "ModelInfo", "FinishReason"} <= names
+    pattern = re.compile(rf"^class ({'|'.join(sorted(names))})\b(?!\(contract\.)", re.M)
+    offenders = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for folder in ("frontend_svc", "engine_svc", "benchmarks", "tests")
+        for p in (ROOT / folder).rglob("*.py")
+        for m in pattern.finditer(p.read_text())
+    ]
+    assert offenders == [], offenders

@@ -36,7 +36,7 @@ from protos.types import (
     TokenizerFiles,
 )
 from tests.frontend.conftest import make_engine
-from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
+from tests.frontend.fake_engine import MODEL_NAME, FakeEngine, Sink
 from tests.frontend.harness import GatewayServer, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -155,7 +155,7 @@ def record_adds(engine: FakeEngine) -> list[str]:
     asked: list[str] = []
     add = engine.add
 
-    def recording(message: pb.AddRequest, sink: asyncio.Queue[pb.EngineCoreOutputs]) -> str | None:
+    def recording(message: pb.AddRequest, sink: Sink) -> str | None:
         asked.append(message.request_id)
         return add(message, sink)
 
@@ -166,9 +166,9 @@ def record_adds(engine: FakeEngine) -> list[str]:
 def refuse_adds(engine: FakeEngine, code: pb.ErrorCode, message: str) -> None:
     """Make ``engine`` answer every new request with a RequestError (e.g. while it drains)."""
 
-    def refusing(add: pb.AddRequest, sink: asyncio.Queue[pb.EngineCoreOutputs]) -> None:
+    def refusing(add: pb.AddRequest, sink: Sink) -> None:
         err = pb.RequestError(request_id=add.request_id, code=code, message=message)
-        sink.put_nowait(pb.EngineCoreOutputs(errors=[err]))
+        sink.put_nowait((pb.EngineCoreOutputs(errors=[err]), 0))
 
     engine.add = refusing  # type: ignore[assignment,method-assign]
 

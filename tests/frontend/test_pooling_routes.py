@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from frontend_svc.engine.messages import pooled_values
 from frontend_svc.errors import ApiError
 from frontend_svc.generation.run import POOLING_MAX_IN_FLIGHT
 from frontend_svc.protocol.pooling import MAX_INPUTS
 from frontend_svc.routes.pooling import fit_prompt
+from protos.convert import pooled_values
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.types import ModelInfo
 from tests.frontend.conftest import make_engine

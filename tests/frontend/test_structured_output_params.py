@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from frontend_svc.engine.errors import EngineRequestError
-from frontend_svc.engine.messages import add_request
 from frontend_svc.errors import ApiError
 from frontend_svc.generation.structured_errors import name_constraint_errors
 from frontend_svc.protocol import parse_chat, parse_completion
+from protos.convert import request_to_pb
 from protos.types import EngineErrorCode, EngineRequest, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
@@ -181,7 +181,7 @@ def test_malformed_constraints_are_400s_naming_the_field(
 def test_constraint_on_the_wire(constraint: StructuredOutput, kind: str, value: object) -> None:
     params = _chat(temperature=0.5).engine_params(8, 0)
     params = type(params)(**{**params.__dict__, "structured_output": constraint})
-    msg = add_request(EngineRequest("r", (1, 2), params)).sampling_params
+    msg = request_to_pb(EngineRequest("r", (1, 2), params)).sampling_params
     assert msg.HasField("structured_output")
     assert msg.structured_output.WhichOneof("kind") == kind
     assert getattr(msg.structured_output, kind) == value
@@ -189,9 +189,9 @@ def test_constraint_on_the_wire(constraint: StructuredOutput, kind: str, value: 
 
 def test_choice_on_the_wire_and_no_constraint() -> None:
     params = _chat(guided_choice=["a", "b c"]).engine_params(8, 0)
-    msg = add_request(EngineRequest("r", (1,), params)).sampling_params
+    msg = request_to_pb(EngineRequest("r", (1,), params)).sampling_params
     assert list(msg.structured_output.choice.choices) == ["a", "b c"]
-    plain = add_request(EngineRequest("r", (1,), _chat().engine_params(8, 0))).sampling_params
+    plain = request_to_pb(EngineRequest("r", (1,), _chat().engine_params(8, 0))).sampling_params
     assert not plain.HasField("structured_output")
 
 

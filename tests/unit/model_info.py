@@ -6,8 +6,8 @@ from engine_svc.core.model_info import ModelInfo
 
 
 def model_info(max_model_len: int = 2048, vocab_size: int = 1 << 20) -> ModelInfo:
-    return ModelInfo(
-        name="test",
+    return ModelInfo.of(
+        served_model_name="test",
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         eos_token_ids=(2,),

@@ -8,10 +8,10 @@ import pytest
 
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.scheduler import SchedulerStats
-from engine_svc.loop.clients import ClientBatch, Clients, LoadFigures, internal_id
+from engine_svc.loop.clients import ClientBatch, Clients, internal_id, load_after, load_with_gauges
 from engine_svc.loop.errors import SleepCancelled
 from engine_svc.loop.sleep import SleepMode, settle
-from protos.types import FinishReason
+from protos.types import FinishReason, LoadFigures
 
 
 def test_sleep_goes_pending_then_asleep_at_the_deepest_level_asked() -> None:
@@ -79,9 +79,9 @@ def test_request_ids_are_scoped_per_client_and_go_back_under_the_clients_own() -
 
 def test_load_figures_add_a_steps_counters_but_only_take_gauges_between_steps() -> None:
     step = SchedulerStats(num_running=2, kv_cache_usage=0.5, prefix_cache_queries=10)
-    load = LoadFigures().after(step).after(step)
+    load = load_after(load_after(LoadFigures(), step), step)
     assert (load.num_running, load.prefix_cache_queries) == (2, 20)
     idle = SchedulerStats(num_running=0, prefix_cache_queries=10)
-    refreshed = load.with_gauges(idle)
+    refreshed = load_with_gauges(load, idle)
     assert (refreshed.num_running, refreshed.kv_cache_usage) == (0, 0.0)
     assert refreshed.prefix_cache_queries == 20  # counted by the next step, not here

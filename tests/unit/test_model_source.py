@@ -324,7 +324,7 @@ def test_llm_takes_a_hub_repo_id(
     add_to_hub_cache(tmp_path / "hub", REPO, default_model_dir())
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     llm = LLM(REPO, download_dir=tmp_path / "hub", kv_cache_memory="8MiB", max_num_seqs=2)
-    assert llm.engine.info.name == REPO
+    assert llm.engine.info.served_model_name == REPO
     out = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))[0]
     assert out.prompt_token_ids == llm.get_tokenizer().encode("Hello")
     with pytest.raises(ModelSourceError, match="'tandem-test/absent' .* HF_HUB_OFFLINE is set"):

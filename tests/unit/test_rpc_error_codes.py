@@ -9,6 +9,7 @@ from engine_svc.core.errors import ContextLengthError, DuplicateRequestError
 from engine_svc.loop.errors import Draining, QueueFull
 from engine_svc.rpc import convert
 from engine_svc.rpc.servicer import _status_code
+from protos.convert import error_code_to_pb
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 
@@ -22,7 +23,7 @@ from protos.tandem.engine.v1 import engine_pb2 as pb
     ],
 )
 def test_error_codes(error: Exception, stream_code: int, generate_status: str) -> None:
-    assert convert.error_code(error) == stream_code
+    assert error_code_to_pb(convert.error_code(error)) == stream_code
     assert _status_code(error) is getattr(grpc.StatusCode, generate_status)
 
 

@@ -1,13 +1,23 @@
-"""StreamOutbox: the steps a Stream has not sent yet are merged per request, in order, and the
-client's window bounds the messages in flight."""
+"""StreamOutbox (``protos.stream_outbox``): the steps a Stream has not sent yet are merged per
+request, in order, and the client's window bounds the messages in flight. The steps are the
+engine's own batches, converted as the engine's Stream converts them (``_batch_to_pb``)."""
 
 from __future__ import annotations
 
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.request import Logprobs, PhaseTimes
-from engine_svc.loop.clients import ClientBatch, LoadFigures
-from engine_svc.rpc.stream_outbox import StreamOutbox
-from protos.types import FinishReason
+from engine_svc.loop.clients import ClientBatch
+from engine_svc.rpc.servicer import _batch_to_pb
+from protos.stream_outbox import StreamOutbox
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.types import FinishReason, LoadFigures
+
+
+class EngineFedOutbox(StreamOutbox):
+    """The outbox fed as the engine's Stream feeds it."""
+
+    def add(self, batch: ClientBatch) -> None:  # type: ignore[override]
+        super().add(*_batch_to_pb(batch))
 
 
 def out(
@@ -21,7 +31,7 @@ def lp(token: int) -> Logprobs:
 
 
 def test_steps_queued_behind_a_write_merge_per_request_in_order() -> None:
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     first = out(
         "a",
         1,
@@ -49,11 +59,13 @@ def test_steps_queued_behind_a_write_merge_per_request_in_order() -> None:
     assert [o.request_id for o in batch.outputs] == ["a", "b", "c"]
     a = batch.outputs[0]
     assert a.new_token_ids == [1, 2, 3]
-    assert [x.token_id for x in a.new_logprobs] == [1, 2, 3]
-    assert a.prompt_logprobs == [None]  # from the first step, kept
-    assert a.finish_reason is FinishReason.LENGTH and a.phase_times == times
+    assert [x.token_id for x in a.logprobs] == [1, 2, 3]
+    assert not a.prompt_logprobs  # the first prompt token has none
+    assert a.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (a.queued_time_s, a.prefill_time_s, a.decode_time_s) == (0.1, 0.2, 0.3)
     assert a.num_cached_tokens == 3 and a.num_prompt_tokens == 5
-    assert batch.load is not None and batch.load.num_running == 1  # the latest step's
+    assert batch.load.num_running_requests == 1  # the latest step's
+    assert batch.timestamp > 0  # stamped when taken
     # The engine's own output objects are left as they were.
     assert first.new_token_ids == [1] and len(first.new_logprobs) == 1
     assert first.finish_reason is None
@@ -62,26 +74,26 @@ def test_steps_queued_behind_a_write_merge_per_request_in_order() -> None:
 def test_a_merged_message_counts_each_steps_tokens() -> None:
     """vLLM's iteration tokens per step: the prompts whose first token (or pooled result) the
     step produced plus the tokens it generated, for this client."""
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     box.add(ClientBatch([out("a", 1, num_prompt_tokens=12, first=True)]))
-    assert box.take().step_tokens == ()  # one step: its outputs say it all
+    assert box.take().step_tokens == []  # one step: its outputs say it all
     box.add(ClientBatch([out("a", 2, num_prompt_tokens=12), out("b", 5, num_prompt_tokens=3)]))
     box.add(ClientBatch([out("a", 3, 4, num_prompt_tokens=12), out("b", 6, num_prompt_tokens=3)]))
-    assert box.take().step_tokens == (2, 3)  # b's prompt was done in an earlier message
+    assert box.take().step_tokens == [2, 3]  # b's prompt was done in an earlier message
     box.add(ClientBatch([out("c", 7, num_prompt_tokens=5, first=True), out("a", 8)]))
     box.add(ClientBatch([out("p", num_prompt_tokens=9, first=True, finish=FinishReason.STOP)]))
     box.add(ClientBatch([out("a", finish=FinishReason.ABORT, num_prompt_tokens=12)]))
     box.add(ClientBatch([], errors=[("d", ValueError("no"))]))
     assert box.steps_merged == 1 + 3
-    assert box.take().step_tokens == (7, 9)  # pooled p counts its prompt; aborts, errors: none
+    assert box.take().step_tokens == [7, 9]  # pooled p counts its prompt; aborts, errors: none
     box.add(ClientBatch([out("e", 1, num_prompt_tokens=4, first=True)]))
     box.add(ClientBatch([out("e", finish=FinishReason.ABORT)]))
-    assert box.steps_merged == 5 and box.take().step_tokens == ()  # one step with tokens
+    assert box.steps_merged == 5 and box.take().step_tokens == []  # one step with tokens
 
 
 def test_a_reused_request_id_starts_a_new_message() -> None:
     """Ids may be reused once finished: the new request's output must not fold into the old."""
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     box.add(ClientBatch([out("a", 1)]))
     box.add(ClientBatch([out("a", 2, finish=FinishReason.STOP), out("b", 5)]))
     box.add(ClientBatch([out("a", 40), out("b", 6)]))  # a new request "a"
@@ -92,19 +104,19 @@ def test_a_reused_request_id_starts_a_new_message() -> None:
 
 
 def test_an_error_ends_merging_for_its_id() -> None:
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     box.add(ClientBatch([out("a", 1)]))
     box.add(ClientBatch(errors=[("a", ValueError("grammar"))]))  # same message: output, error
     box.add(ClientBatch(errors=[("x", ValueError("refused"))]))
     box.add(ClientBatch([out("x", 3)]))  # after x's error: not in the same message
     first, second = box.take(), box.take()
     assert [o.request_id for o in first.outputs] == ["a"]
-    assert [rid for rid, _ in first.errors] == ["a", "x"]
+    assert [e.request_id for e in first.errors] == ["a", "x"]
     assert [o.request_id for o in second.outputs] == ["x"] and not second.errors
 
 
 def test_the_window_bounds_unread_messages() -> None:
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     box.flow(window=2, messages_read=0)
     for step in range(3):
         box.add(ClientBatch([out("a", step)]))
@@ -123,7 +135,7 @@ def test_the_window_bounds_unread_messages() -> None:
 
 
 def test_without_a_window_a_message_is_ready_whenever_one_is_pending() -> None:
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     assert not box.ready()
     for step in range(5):
         box.add(ClientBatch([out("a", step)]))
@@ -134,7 +146,7 @@ def test_without_a_window_a_message_is_ready_whenever_one_is_pending() -> None:
 
 def test_half_closing_drops_the_window() -> None:
     """A half-closed client cannot report progress: what is held must go out without it."""
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     box.flow(window=1, messages_read=0)
     box.add(ClientBatch([out("a", 1)]))
     box.take()
@@ -147,7 +159,7 @@ def test_half_closing_drops_the_window() -> None:
 def test_a_dropped_window_stays_dropped() -> None:
     """Once dropped (half-close, or the engine stopping), a window the client sends later does
     not hold back what is left: it all goes out."""
-    box = StreamOutbox()
+    box = EngineFedOutbox()
     box.flow(window=1, messages_read=0)
     box.add(ClientBatch([out("a", 1)]))
     box.take()

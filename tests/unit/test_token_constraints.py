@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine_svc import LLM, SamplingParams
 from engine_svc.core.request import Request
-from engine_svc.rpc.convert import sampling_params_from_pb
+from engine_svc.rpc import convert
 from engine_svc.worker.input_batch import InputBatch
 from engine_svc.worker.sampler import (
     AllowedTokens,
@@ -27,6 +27,7 @@ from engine_svc.worker.sampler import (
 )
 from engine_svc.worker.sampling_inputs import bad_word_bans, sampling_metadata
 from protos.bad_words import EmptyBadWord, bad_words_token_ids
+from protos.convert import sampling_params_from_pb
 from protos.tandem.engine.v1 import engine_pb2 as pb
 
 NEG_INF = float("-inf")
@@ -74,16 +75,16 @@ def test_contract_fields_convert() -> None:
     m = pb.SamplingParams(allowed_token_ids=[4, 5], logit_bias={7: -100.0, 8: 2.5})
     m.bad_words.add(token_ids=[1, 2])
     m.bad_words.add(token_ids=[3])
-    p = sampling_params_from_pb(m, 20)
+    p = convert.sampling_params(sampling_params_from_pb(m), 20)
     assert p.allowed_token_ids == [4, 5]
     assert p.logit_bias == {7: -100.0, 8: 2.5}
     assert p.bad_words_token_ids == [[1, 2], [3]]
-    empty = sampling_params_from_pb(pb.SamplingParams(), 20)
+    empty = convert.sampling_params(sampling_params_from_pb(pb.SamplingParams()), 20)
     assert (empty.allowed_token_ids, empty.logit_bias, empty.bad_words_token_ids) == (None,) * 3
     m = pb.SamplingParams()
     m.bad_words.add()
     with pytest.raises(ValueError, match="^bad_words_token_ids "):
-        sampling_params_from_pb(m, 20)
+        convert.sampling_params(sampling_params_from_pb(m), 20)
 
 
 def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
