@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from frontend_svc.reasoning import REASONING_PARSER_NAMES
 from frontend_svc.tool_parsers import TOOL_PARSER_NAMES
 
 ENV_PREFIX = "TANDEM_"
@@ -149,6 +150,7 @@ class FrontendConfig:
     engine_window: int = 1
     tool_call_parser: str | None = None  # how model output becomes tool calls (tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the parser reads
+    reasoning_parser: str | None = None  # how chat output splits into reasoning and content
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" unless asked not to
     enable_force_include_usage: bool = False  # the usage chunk ends every stream
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
@@ -170,6 +172,11 @@ class FrontendConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):
+            raise ValueError(
+                f"--reasoning-parser {self.reasoning_parser!r} is not one of "
+                f"{', '.join(REASONING_PARSER_NAMES)}"
+            )
         if self.uvicorn_log_level not in (None, *UVICORN_LOG_LEVELS):
             raise ValueError(
                 f"--uvicorn-log-level {self.uvicorn_log_level!r} is not one of "
@@ -393,6 +400,16 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "allow tool_choice 'auto' (the default when a request has tools); needs "
         "--tool-call-parser, as in vLLM",
     )
+    _option(
+        p,
+        env,
+        "--reasoning-parser",
+        None,
+        "format of the model's reasoning, returned apart from the content in chat answers "
+        "(message.reasoning and reasoning_content; qwen3: Qwen3, off with enable_thinking "
+        "false; deepseek_r1: DeepSeek-R1 and its distills, QwQ)",
+        choices=REASONING_PARSER_NAMES,
+    )
     _flag(
         p,
         env,
@@ -478,6 +495,7 @@ def config_from_args(
             engine_window=args.engine_window,
             tool_call_parser=args.tool_call_parser or None,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser or None,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_force_include_usage=args.enable_force_include_usage,
             enable_runtime_lora_updating=args.enable_runtime_lora_updating,

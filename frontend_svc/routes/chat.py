@@ -5,13 +5,21 @@ With a tool-call parser for the request (``tool_choice`` auto with the server's
 choice's text goes through it: whole (``message.tool_calls``) or fed delta by delta (``tool_calls``
 pieces in the chunks: index, id, type and name first, then argument pieces). A choice that made
 calls and stopped on its own finishes with ``"tool_calls"``; one cut off keeps ``"length"``.
+
+With a ``--reasoning-parser``, each choice's text is first split into reasoning and content
+(``frontend_svc.reasoning``): ``message.reasoning`` and, for clients written before vLLM renamed
+it, ``reasoning_content`` with the same text (both null without reasoning); streamed, the same two
+keys carry the reasoning pieces and ``content`` the rest. Only the content goes on to the tool-call
+parser, so nothing inside the reasoning becomes a call. ``usage.completion_tokens_details.
+reasoning_tokens`` counts the reasoning's tokens.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,6 +39,7 @@ from frontend_svc.protocol.logprobs import (
     chat_logprobs,
     prompt_logprobs,
 )
+from frontend_svc.reasoning import ReasoningStream, RequestReasoning
 from frontend_svc.routes.common import (
     PlainTextEvents,
     gateway,
@@ -45,6 +54,8 @@ from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
 from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolCallStream, ToolParser
+
+_S = TypeVar("_S")
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -76,6 +87,17 @@ async def create_chat_completion(request: Request) -> Response:
         truncate_prompt_tokens=req.sampling.truncate_prompt_tokens,
     )
     parser = req.tools.output_parser(state.tool_parser)
+    reasoning = None
+    if state.reasoning_parser is not None:
+        # A structured-output constraint (response_format, tool_choice required or named)
+        # covers the whole output: the engine applies it from the first token, so the output
+        # holds no reasoning (vLLM starts it after the reasoning; the engine cannot yet).
+        reasoning = state.reasoning_parser.for_request(
+            tokenizer,
+            prepared.token_ids,
+            req.template_kwargs,
+            constrained=req.sampling.structured_output is not None,
+        )
     ctx = _Context(
         req,
         tokenizer,
@@ -83,10 +105,14 @@ async def create_chat_completion(request: Request) -> Response:
         lora or state.served_model_name or req.model,
         parser,
         list(prepared.token_ids),
+        reasoning,
     )
-    # The parser's markers stay in the text even where the tokenizer holds them as special
+    # The parsers' markers stay in the text even where the tokenizer holds them as special
     # tokens (Qwen's <tool_call>), which skip_special_tokens would drop.
-    kept = tokenizer.special_ids_of(parser.markers) if parser is not None else frozenset()
+    markers = parser.markers if parser is not None else ()
+    if reasoning is not None and reasoning.active:
+        markers += reasoning.parser.markers
+    kept = tokenizer.special_ids_of(markers) if markers else frozenset()
     deltas = generate(state, ctx.id, [prepared], req.sampling, kept, lora_name=lora or "")
     if req.stream:
         usage_chunk = ctx.usage_chunk if req.options.include_usage else None
@@ -107,7 +133,10 @@ class _Context:
         model: str,
         parser: ToolParser | None,
         prompt_ids: list[int],
+        reasoning: RequestReasoning | None = None,
     ) -> None:
+        """``reasoning``: the server's reasoning parser as this request uses it (None: the
+        server has none, and answers carry no reasoning fields)."""
         self.req = req
         self.tok = tokenizer
         self.prompt_ids = prompt_ids
@@ -119,10 +148,22 @@ class _Context:
         self.created = int(time.time())
         self.parser = parser
         self._streams: dict[int, ToolCallStream] = {}  # per choice index, while it streams
-        # A plain stream (no tools, logprobs, token ids or running usage) varies only in the
-        # content between a choice's first and last chunk: those events come from TextEvents.
+        self.reasoning = reasoning
+        self._splitting = reasoning is not None and reasoning.active
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # per choice, while it streams
+        # Streaming with a usage chunk: each choice's ids until it ends, then its reasoning's.
+        self._counting = self._splitting and req.options.include_usage
+        self._output_ids: dict[int, list[int]] = {}
+        self._reasoning_tokens: dict[int, int] = {}
+        # A plain stream (no tools, reasoning, logprobs, token ids or running usage) varies only
+        # in the content between a choice's first and last chunk: those events come from
+        # TextEvents.
         o = req.options
-        plain = parser is None and not (req.logprobs or o.return_token_ids or o.continuous_usage)
+        plain = (
+            parser is None
+            and not self._splitting
+            and not (req.logprobs or o.return_token_ids or o.continuous_usage)
+        )
         self.text_event = PlainTextEvents(plain, self.chunks).event
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -170,6 +211,8 @@ class _Context:
                 echo = {"index": d.index, "delta": {"content": echoed}}
                 out.append(self._chunk(echo | {"logprobs": None, "finish_reason": None}, d))
         self._num_tokens[d.index] += len(d.token_ids)
+        if self._counting:
+            self._count_reasoning(d)
         delta, called = self._delta(d)
         return_ids = self.req.options.return_token_ids
         if (
@@ -190,18 +233,40 @@ class _Context:
             out.append(self._chunk(choice, d))
         return out
 
-    def _delta(self, d: SequenceDelta) -> tuple[dict[str, Any], bool]:
-        """The chunk's delta (content and tool-call pieces) and whether the choice made calls."""
-        if self.parser is None:
-            return ({"content": d.text} if d.text else {}), False
-        final = d.finish_reason is not None
-        stream = self._streams.pop(d.index) if final else self._streams.get(d.index)
-        if stream is None:
-            stream = self.parser.stream()
-            if not final:
-                self._streams[d.index] = stream
+    def _count_reasoning(self, d: SequenceDelta) -> None:
+        """Keep a streaming choice's token ids until it ends, then count its reasoning's."""
+        assert self.reasoning is not None
+        ids = self._output_ids.setdefault(d.index, [])
+        ids.extend(d.token_ids)
+        if d.finish_reason is not None:
+            num = self.reasoning.count_tokens(self._output_ids.pop(d.index))
+            self._reasoning_tokens[d.index] = num
+
+    def _split(self, d: SequenceDelta, final: bool) -> tuple[str, str]:
+        """The delta's reasoning piece and content piece (all content when not splitting)."""
+        if not self._splitting:
+            return "", d.text
+        assert self.reasoning is not None
+        stream = _per_choice(self._reasoning_streams, d.index, final, self.reasoning.stream)
         out = stream.feed(d.text, final=final)
-        delta: dict[str, Any] = {"content": out.content} if out.content else {}
+        return out.reasoning, out.content
+
+    def _delta(self, d: SequenceDelta) -> tuple[dict[str, Any], bool]:
+        """The chunk's delta (reasoning, content and tool-call pieces) and whether the choice
+        made calls."""
+        final = d.finish_reason is not None
+        reasoning, text = self._split(d, final)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        if self.parser is None:
+            if text:
+                delta["content"] = text
+            return delta, False
+        stream = _per_choice(self._streams, d.index, final, self.parser.stream)
+        out = stream.feed(text, final=final)
+        if out.content:
+            delta["content"] = out.content
         parallel = self.req.tools.parallel_tool_calls
         calls = [c.to_openai() for c in out.tool_calls if parallel or c.index == 0]
         if calls:
@@ -211,16 +276,26 @@ class _Context:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         chunk = self._head("chat.completion.chunk")
         chunk["choices"] = []
-        chunk["usage"] = usage
+        chunk["usage"] = self._with_reasoning_tokens(usage, sum(self._reasoning_tokens.values()))
         return chunk
+
+    def _with_reasoning_tokens(self, usage: dict[str, Any], num: int) -> dict[str, Any]:
+        """With a reasoning parser: the usage with ``completion_tokens_details.reasoning_tokens``
+        (OpenAI's place for them; 0 for a request whose output had no reasoning)."""
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": num}
+        return usage
 
     def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
         usage = UsageCounter()
+        num_reasoning = 0
         choices = []
         for r in results:
             usage.prompt_tokens[0] = r.num_prompt_tokens
             usage.cached_tokens[0] = max(usage.cached_tokens.get(0, 0), r.num_cached_tokens)
             usage.completion_tokens += len(r.token_ids)
+            if self.reasoning is not None:
+                num_reasoning += self.reasoning.count_tokens(r.token_ids)
             message = self._message(r.text)
             choice = {
                 "index": r.index,
@@ -235,17 +310,20 @@ class _Context:
         return {
             **self._head("chat.completion"),
             "choices": choices,
-            "usage": usage.as_dict(),
+            "usage": self._with_reasoning_tokens(usage.as_dict(), num_reasoning),
             **self._prompt_fields(results[0].prompt_logprobs if results else ()),
         }
 
     def _message(self, text: str) -> dict[str, Any]:
         """The message of a whole choice: its content (after the echoed last message, with
-        ``echo``), and its tool calls if any (then content is None when there was nothing
-        besides them, or only the echo)."""
-        message: dict[str, Any] = {"role": self.role, "content": text}
-        if self.parser is not None:
-            extracted = self.parser.extract(text)
+        ``echo``), its reasoning with a reasoning parser, and its tool calls if any (then content
+        is None when there was nothing besides them, or only the echo)."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if self.parser is not None and content is not None:
+            extracted = self.parser.extract(content)
             # parallel_tool_calls false: at most one call (enforced by the schema for "required").
             calls = extracted.calls if self.req.tools.parallel_tool_calls else extracted.calls[:1]
             if calls:
@@ -255,6 +333,16 @@ class _Context:
         if echoed:
             message["content"] = echoed + (message["content"] or "")
         return message
+
+
+def _per_choice(streams: dict[int, _S], index: int, final: bool, make: Callable[[], _S]) -> _S:
+    """Choice ``index``'s stream (made at its first delta; forgotten at its last)."""
+    stream = streams.pop(index) if final else streams.get(index)
+    if stream is None:
+        stream = make()
+        if not final:
+            streams[index] = stream
+    return stream
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -9,6 +9,7 @@ import logging
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.pool import EnginePool
 from frontend_svc.errors import engine_unavailable, model_not_found
+from frontend_svc.reasoning import ReasoningParser, get_reasoning_parser
 from frontend_svc.server.metrics import Metrics, MetricsEvents
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
@@ -40,6 +41,10 @@ class GatewayState(MetricsEvents):
         self.tool_parser: ToolParser | None = None
         if config.enable_auto_tool_choice and config.tool_call_parser is not None:
             self.tool_parser = get_tool_parser(config.tool_call_parser)
+        # What splits chat output into reasoning and content; None: all of it is content.
+        self.reasoning_parser: ReasoningParser | None = None
+        if config.reasoning_parser is not None:
+            self.reasoning_parser = get_reasoning_parser(config.reasoning_parser)
         self.engines = EnginePool(config, self)
 
     async def connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:

@@ -196,8 +196,10 @@ def test_gateway_tool_calling_follows_the_environment(compose: str, file: Path) 
 
     default = gateway()
     assert (default.tool_call_parser, default.enable_auto_tool_choice) == (None, False)
+    assert default.reasoning_parser is None
     on = gateway(TANDEM_TOOL_CALL_PARSER="hermes", TANDEM_ENABLE_AUTO_TOOL_CHOICE="true")
     assert (on.tool_call_parser, on.enable_auto_tool_choice) == ("hermes", True)
+    assert gateway(TANDEM_REASONING_PARSER="qwen3").reasoning_parser == "qwen3"
 
 
 # ---------------------------------------------------------------------------- the CPU file

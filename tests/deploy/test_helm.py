@@ -221,6 +221,7 @@ BAD_VALUES = {
     "no gateway worker": {"frontend": {"workers": 0}},
     "workers not a number": {"frontend": {"workers": "2"}},
     "unknown tool-call parser": {"frontend": {"toolCallParser": "qwen"}},
+    "unknown reasoning parser": {"frontend": {"reasoningParser": "qwen"}},
     "auto tool choice without a parser": {"frontend": {"enableAutoToolChoice": True}},
 }
 
@@ -490,7 +491,14 @@ def test_tool_calling_values_reach_the_gateway() -> None:
 
     default = gateway_config("default")
     assert (default.tool_call_parser, default.enable_auto_tool_choice) == (None, False)
-    values = {"frontend": {"toolCallParser": "hermes", "enableAutoToolChoice": True}}
+    assert default.reasoning_parser is None
+    values = {
+        "frontend": {
+            "toolCallParser": "hermes",
+            "enableAutoToolChoice": True,
+            "reasoningParser": "qwen3",
+        }
+    }
     texts = [text for path, text in render(values).items() if not path.endswith("NOTES.txt")]
     docs = [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
     [frontend] = [
@@ -503,6 +511,7 @@ def test_tool_calling_values_reach_the_gateway() -> None:
     environ = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     config = config_from_args(c.get("args", []), environ)
     assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("hermes", True)
+    assert config.reasoning_parser == "qwen3"
     pdbs = {
         d["metadata"]["labels"]["app.kubernetes.io/component"]: d
         for d in objects("scale-out", "PodDisruptionBudget")

@@ -90,6 +90,7 @@ def test_workers_get_the_config_the_supervisor_parsed() -> None:
         engine_window=3,
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
+        reasoning_parser="qwen3",
         return_tokens_as_token_ids=True,
         enable_force_include_usage=True,
     )
