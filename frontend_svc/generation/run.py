@@ -95,7 +95,7 @@ def generate(
                 options.skip_special_tokens,
                 index=index,
                 prompt_index=p_idx,
-                min_tokens=options.min_tokens,
+                min_tokens=options.engine.min_tokens,
                 kept_special_ids=kept_special_ids,
             )
             streams.append(_run_sequence(state.engines, engine_request, processor, state.metrics))

@@ -116,13 +116,13 @@ def resolve_token_constraints(
 ) -> SamplingOptions:
     """``options`` with its bad words as token sequences; 400 naming the parameter for a token
     id outside the vocabulary (logit_bias, allowed_token_ids, or a bad word's tokens)."""
-    _check_vocab("logit_bias", [t for t, _ in options.logit_bias], vocab_size)
-    _check_vocab("allowed_token_ids", options.allowed_token_ids, vocab_size)
+    _check_vocab("logit_bias", [t for t, _ in options.engine.logit_bias], vocab_size)
+    _check_vocab("allowed_token_ids", options.engine.allowed_token_ids, vocab_size)
     if not options.bad_words:
         return options
     sequences = _bad_words_token_ids(tokenizer, options.bad_words)
     _check_vocab("bad_words", [t for s in sequences for t in s], vocab_size)
-    return replace(options, bad_words_token_ids=tuple(sequences))
+    return replace(options, engine=replace(options.engine, bad_words=tuple(sequences)))
 
 
 def _bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:

@@ -24,7 +24,7 @@ from frontend_svc.protocol.requests import (
     SamplingOptions,
     TokenizeRequest,
 )
-from protos.types import StructuredOutput
+from protos.types import EngineSamplingParams, StructuredOutput
 
 
 def parse_completion(body: object, max_logprobs: int) -> CompletionRequest:
@@ -61,9 +61,8 @@ def parse_chat(body: object, max_logprobs: int, auto_tools: bool = False) -> Cha
     schema = tools.json_schema()
     if schema is not None:  # required or named: the output is the calls' JSON (vLLM's way)
         constraint = StructuredOutput("json_schema", orjson.dumps(schema).decode())
-        sampling = replace(
-            sampling, structured_output=constraint, structured_output_param="tool_choice"
-        )
+        engine = replace(sampling.engine, structured_output=constraint)
+        sampling = replace(sampling, engine=engine, structured_output_param="tool_choice")
     raw: list[dict[str, Any]] = body["messages"]  # type: ignore[index]  # validated
     return ChatRequest(
         model=b.model,
@@ -110,8 +109,7 @@ def _sampling(
     b: GenerationBody, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
 ) -> SamplingOptions:
     structured = b.structured_output()
-    return SamplingOptions(
-        n=b.n,
+    engine = EngineSamplingParams(
         max_tokens=max_tokens,
         min_tokens=b.min_tokens,
         temperature=b.temperature,
@@ -119,7 +117,6 @@ def _sampling(
         top_k=0 if b.top_k == -1 else b.top_k,
         min_p=b.min_p,
         seed=b.seed,
-        stop=b.stop,
         stop_token_ids=b.stop_token_ids,
         ignore_eos=b.ignore_eos,
         presence_penalty=b.presence_penalty,
@@ -127,12 +124,17 @@ def _sampling(
         repetition_penalty=b.repetition_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        include_stop_str_in_output=b.include_stop_str_in_output,
-        skip_special_tokens=b.skip_special_tokens,
         structured_output=structured[0] if structured else None,
-        structured_output_param=structured[1] if structured else None,
         logit_bias=b.logit_bias,
         allowed_token_ids=b.allowed_token_ids or (),
+    )
+    return SamplingOptions(
+        engine=engine,
+        n=b.n,
+        stop=b.stop,
+        include_stop_str_in_output=b.include_stop_str_in_output,
+        skip_special_tokens=b.skip_special_tokens,
+        structured_output_param=structured[1] if structured else None,
         bad_words=b.bad_words,
         truncate_prompt_tokens=b.truncate_prompt_tokens,
     )

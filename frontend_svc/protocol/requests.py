@@ -10,62 +10,32 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frontend_svc.protocol.tools import ToolOptions
-from protos.types import EngineSamplingParams, StructuredOutput
+from protos.types import EngineSamplingParams
 
 Prompt = str | tuple[int, ...]  # text, or token ids
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Sampling as the client asked for it (n and stop strings are the gateway's job)."""
+    """Sampling as the client asked for it: what the engine applies, as the contract sends it
+    (``engine``; its ``max_tokens`` None means the rest of the context, resolved per prompt,
+    and its ``seed`` is the first sequence's), and what the gateway does itself (n, text stops,
+    detokenizing, the bad words as written, prompt truncation)."""
 
+    engine: EngineSamplingParams = EngineSamplingParams()
     n: int = 1
-    max_tokens: int | None = None  # None: the rest of the context
-    min_tokens: int = 0
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    logprobs: int | None = None  # alternatives per output token; None: no logprobs
-    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    structured_output: StructuredOutput | None = None
-    structured_output_param: str | None = None  # the field it came from, for errors
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
-    allowed_token_ids: tuple[int, ...] = ()  # empty: any token
-    bad_words: tuple[str, ...] = ()  # as the client wrote them
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # made of bad_words by the gateway
+    structured_output_param: str | None = None  # the field the constraint came from, for errors
+    bad_words: tuple[str, ...] = ()  # as the client wrote them (engine.bad_words: as token ids)
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: all that fit
 
     def engine_params(self, max_tokens: int, index: int) -> EngineSamplingParams:
         """Parameters of the ``index``-th of the n engine requests (seeds differ per index)."""
-        return EngineSamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=None if self.seed is None else self.seed + index,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            structured_output=self.structured_output,
-            logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words_token_ids,
+        seed = self.engine.seed
+        return replace(
+            self.engine, max_tokens=max_tokens, seed=None if seed is None else seed + index
         )
 
 
@@ -114,7 +84,7 @@ class CompletionRequest:
     @property
     def echo_only(self) -> bool:
         """echo with max_tokens 0: the prompt comes back (with its logprobs), nothing else."""
-        return self.echo and self.sampling.max_tokens == 0
+        return self.echo and self.sampling.engine.max_tokens == 0
 
 
 @dataclass(frozen=True)

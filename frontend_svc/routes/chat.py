@@ -77,12 +77,12 @@ async def create_chat_completion(request: Request) -> Response:
     )
     prepared = prepare_prompt(
         prompt.ids,
-        req.sampling.max_tokens,
+        req.sampling.engine.max_tokens,
         info.max_model_len,
         info.vocab_size,
         "messages",
         req.max_tokens_param,
-        req.sampling.min_tokens,
+        req.sampling.engine.min_tokens,
         num_tokens=prompt.num_tokens,
         truncate_prompt_tokens=req.sampling.truncate_prompt_tokens,
     )
@@ -96,7 +96,7 @@ async def create_chat_completion(request: Request) -> Response:
             tokenizer,
             prepared.token_ids,
             req.template_kwargs,
-            constrained=req.sampling.structured_output is not None,
+            constrained=req.sampling.engine.structured_output is not None,
         )
     ctx = _Context(
         req,
@@ -172,7 +172,7 @@ class _Context:
     def _logprobs(self, entries: Any) -> dict[str, Any] | None:
         if not self.req.logprobs:
             return None
-        return chat_logprobs(self._texts, list(entries), self.req.sampling.logprobs or 0)
+        return chat_logprobs(self._texts, list(entries), self.req.sampling.engine.logprobs or 0)
 
     def _echoed(self) -> str:
         """With ``echo``: the last message's content, when its role is the reply's (vLLM)."""
@@ -182,8 +182,8 @@ class _Context:
     def _prompt_fields(self, prompt_entries: Any) -> dict[str, Any]:
         """The response's top-level prompt fields, each only when asked for."""
         fields: dict[str, Any] = {}
-        if self.req.sampling.prompt_logprobs is not None:
-            num_top = self.req.sampling.prompt_logprobs
+        if self.req.sampling.engine.prompt_logprobs is not None:
+            num_top = self.req.sampling.engine.prompt_logprobs
             fields["prompt_logprobs"] = prompt_logprobs(self.tok, prompt_entries, num_top)
         if self.req.options.return_token_ids:
             fields["prompt_token_ids"] = self.prompt_ids

@@ -74,12 +74,12 @@ async def create_completion(request: Request) -> Response:
     prepared = [
         prepare_prompt(
             p.ids,
-            1 if req.echo_only else sampling.max_tokens,  # echo only: one token, dropped
+            1 if req.echo_only else sampling.engine.max_tokens,  # echo only: one token, dropped
             info.max_model_len,
             info.vocab_size,
             "prompt",
             "max_tokens",
-            sampling.min_tokens,
+            sampling.engine.min_tokens,
             num_tokens=p.num_tokens,
             truncate_prompt_tokens=truncate,
             keep_prefix=keep,
@@ -154,7 +154,9 @@ class _Context:
         # A plain stream (no logprobs, token ids or running usage) varies only in the text
         # between a choice's first and last chunk: those events come from TextEvents.
         o = req.options
-        plain = req.sampling.logprobs is None and not (o.return_token_ids or o.continuous_usage)
+        plain = req.sampling.engine.logprobs is None and not (
+            o.return_token_ids or o.continuous_usage
+        )
         self.text_event = PlainTextEvents(plain, self.chunks).event
 
     def _head(self) -> dict[str, Any]:
@@ -174,7 +176,7 @@ class _Context:
         logprobs: list[TokenLogprob],
         prompt_logprobs: tuple[TokenLogprob, ...],
     ) -> dict[str, Any] | None:
-        num_top = self.req.sampling.logprobs
+        num_top = self.req.sampling.engine.logprobs
         if num_top is None:
             return None
         builder = self._logprobs.setdefault(index, CompletionLogprobs(self._texts, num_top))

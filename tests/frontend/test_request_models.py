@@ -73,9 +73,9 @@ def test_json_types_are_strict(field: str, value: Any, phrase: str | None) -> No
 
 def test_integral_floats_are_integers() -> None:
     req = completion(n=2.0, max_tokens=3.0, seed=7.0, stop_token_ids=[1.0, 2], prompt=[5.0, 6])
-    assert (req.sampling.n, req.sampling.max_tokens, req.sampling.seed) == (2, 3, 7)
-    assert req.sampling.stop_token_ids == (1, 2) and req.prompts == ((5, 6),)
-    assert all(type(t) is int for t in req.sampling.stop_token_ids + req.prompts[0])
+    assert (req.sampling.n, req.sampling.engine.max_tokens, req.sampling.engine.seed) == (2, 3, 7)
+    assert req.sampling.engine.stop_token_ids == (1, 2) and req.prompts == ((5, 6),)
+    assert all(type(t) is int for t in req.sampling.engine.stop_token_ids + req.prompts[0])
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,9 @@ def test_tool_choices() -> None:
     assert chat(auto_tools=False, tools=[TIME], tool_choice="required").tools.choice == "required"
     assert chat(auto_tools=False, tools=[TIME], tool_choice="none").tools.choice == "none"
     # A constraint of its own is fine when the output is free.
-    assert chat(tools=[TIME], tool_choice="auto", guided_regex="a").sampling.structured_output
+    assert chat(
+        tools=[TIME], tool_choice="auto", guided_regex="a"
+    ).sampling.engine.structured_output
     # /tokenize renders tools (names unique there too) without any choice.
     assert parse_tokenize({"messages": USER, "tools": [TIME]}).tools == [TIME]
     assert refused(parse_tokenize, body={"prompt": "x", "tools": [TIME, TIME]}).param == "tools"

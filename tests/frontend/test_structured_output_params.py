@@ -100,13 +100,14 @@ def test_every_spelling_gives_one_constraint(
     parse: Any, fields: dict[str, Any], expected: StructuredOutput | None, param: str | None
 ) -> None:
     sampling = parse(**fields)
-    assert sampling.structured_output == expected
+    assert sampling.engine.structured_output == expected
     assert sampling.structured_output_param == param
     assert sampling.engine_params(16, 0).structured_output == expected
 
 
 def test_no_constraint_by_default() -> None:
-    assert _chat().structured_output is None and _completion().structured_output is None
+    assert _chat().engine.structured_output is None
+    assert _completion().engine.structured_output is None
 
 
 @pytest.mark.parametrize(

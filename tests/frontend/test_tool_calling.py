@@ -342,7 +342,7 @@ def test_required_and_named_choices_become_the_tool_schema_constraint() -> None:
     for choice, names in (("required", ["get_weather", "get_time"]), (named, None)):
         req = parse_chat(_chat_body(tools=TOOLS, tool_choice=choice), 5)
         schema = req.tools.json_schema()  # its own shape: tests/frontend/test_tools.py
-        assert req.sampling.structured_output == StructuredOutput(
+        assert req.sampling.engine.structured_output == StructuredOutput(
             "json_schema", orjson.dumps(schema).decode()
         )
         assert req.sampling.structured_output_param == "tool_choice"
@@ -354,7 +354,7 @@ def test_required_and_named_choices_become_the_tool_schema_constraint() -> None:
             assert [b["properties"]["name"]["enum"] for b in branches] == [[n] for n in names]
     for choice in ("none", "auto"):
         req = parse_chat(_chat_body(tools=TOOLS, tool_choice=choice), 5, True)
-        assert req.sampling.structured_output is None and req.tools.choice == choice
+        assert req.sampling.engine.structured_output is None and req.tools.choice == choice
 
 
 def _rejected(body: dict[str, Any], param: str | None, match: str) -> None:
@@ -385,7 +385,7 @@ def test_a_tool_choice_and_a_constraint_of_its_own_are_refused(
     )
     # "auto" and "none" leave the output free, so a constraint of its own is fine.
     req = parse_chat(_chat_body(tools=TOOLS, tool_choice="auto", **constraint), 5, True)
-    assert req.sampling.structured_output is not None
+    assert req.sampling.engine.structured_output is not None
 
 
 def test_a_named_function_without_tools_is_refused() -> None:
