@@ -153,12 +153,18 @@ class FrontendConfig:
     reasoning_parser: str | None = None  # how chat output splits into reasoning and content
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" unless asked not to
     enable_force_include_usage: bool = False  # the usage chunk ends every stream
+    # usage.prompt_tokens_details (cached tokens) in answers; off: null, as vLLM
+    enable_prompt_tokens_details: bool = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: those paths are 404
     enable_runtime_lora_updating: bool = False
     # /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile, /stop_profile (vLLM's
     # dev-mode routes); off: those paths are 404
     enable_utility_endpoints: bool = False
+    # POST /v1/responses with store true: the responses kept for GET /v1/responses/{id} and
+    # previous_response_id (frontend_svc.responses_store), the oldest dropped past either bound
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -176,6 +182,10 @@ class FrontendConfig:
             raise ValueError(
                 f"--reasoning-parser {self.reasoning_parser!r} is not one of "
                 f"{', '.join(REASONING_PARSER_NAMES)}"
+            )
+        if self.responses_store_max_entries < 0 or self.responses_store_max_bytes < 0:
+            raise ValueError(
+                "--responses-store-max-entries and --responses-store-max-bytes must be >= 0"
             )
         if self.uvicorn_log_level not in (None, *UVICORN_LOG_LEVELS):
             raise ValueError(
@@ -426,6 +436,13 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
     _flag(
         p,
         env,
+        "--enable-prompt-tokens-details",
+        "report usage.prompt_tokens_details.cached_tokens (the prompt tokens served from the "
+        "prefix cache) when some were; off: null, as vLLM",
+    )
+    _flag(
+        p,
+        env,
         "--enable-runtime-lora-updating",
         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (every engine loads or "
         "unloads; use with --api-key)",
@@ -436,6 +453,23 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
         "--enable-utility-endpoints",
         "serve /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /start_profile and "
         "/stop_profile (on every engine; use with --api-key)",
+    )
+    _option(
+        p,
+        env,
+        "--responses-store-max-entries",
+        d.responses_store_max_entries,
+        "responses (POST /v1/responses with store true) kept in memory for GET and "
+        "previous_response_id, the oldest dropped first; 0 keeps none",
+        type=int,
+    )
+    _option(
+        p,
+        env,
+        "--responses-store-max-bytes",
+        d.responses_store_max_bytes,
+        "most bytes of JSON the kept responses may hold together, the oldest dropped first",
+        type=int,
     )
     _option(
         p,
@@ -498,8 +532,11 @@ def config_from_args(
             reasoning_parser=args.reasoning_parser or None,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_force_include_usage=args.enable_force_include_usage,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_runtime_lora_updating=args.enable_runtime_lora_updating,
             enable_utility_endpoints=args.enable_utility_endpoints,
+            responses_store_max_entries=args.responses_store_max_entries,
+            responses_store_max_bytes=args.responses_store_max_bytes,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -271,6 +271,8 @@ class UsageCounter:
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt index
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
+    # prompt_tokens_details (--enable-prompt-tokens-details); otherwise null, as vLLM
+    details: bool = False
 
     def add(self, d: SequenceDelta) -> None:
         self.prompt_tokens[d.prompt_index] = d.num_prompt_tokens
@@ -280,9 +282,10 @@ class UsageCounter:
 
     def as_dict(self) -> dict[str, object]:
         prompt = sum(self.prompt_tokens.values())
+        cached = sum(self.cached_tokens.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+            "prompt_tokens_details": {"cached_tokens": cached} if self.details and cached else None,
         }

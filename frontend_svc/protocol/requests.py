@@ -53,9 +53,10 @@ class ResponseOptions:
     continuous_usage: bool = False
     return_token_ids: bool = False
     tokens_as_token_ids: bool | None = None
+    prompt_tokens_details: bool = False  # the server's --enable-prompt-tokens-details
 
     def with_server_defaults(
-        self, stream: bool, force_usage: bool, as_ids: bool
+        self, stream: bool, force_usage: bool, as_ids: bool, prompt_tokens_details: bool = False
     ) -> ResponseOptions:
         """The options with the server's flags applied: ``force_usage`` adds the usage chunk to
         every stream; ``as_ids`` is the default of ``tokens_as_token_ids``. Continuous usage
@@ -67,6 +68,7 @@ class ResponseOptions:
             include_usage=include,
             continuous_usage=include and self.continuous_usage,
             tokens_as_token_ids=as_ids,
+            prompt_tokens_details=prompt_tokens_details,
         )
 
 

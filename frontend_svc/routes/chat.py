@@ -287,7 +287,7 @@ class _Context:
         return usage
 
     def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        usage = UsageCounter()
+        usage = UsageCounter(details=self.req.options.prompt_tokens_details)
         num_reasoning = 0
         choices = []
         for r in results:
@@ -304,13 +304,15 @@ class _Context:
                 "finish_reason": _finish_reason(r.finish_reason, "tool_calls" in message),
                 "stop_reason": r.stop_reason,
             }
-            if self.req.options.return_token_ids:
-                choice["token_ids"] = r.token_ids
+            # vLLM sends the key always, null when not asked for (as the prompt fields below).
+            choice["token_ids"] = r.token_ids if self.req.options.return_token_ids else None
             choices.append(choice)
         return {
             **self._head("chat.completion"),
             "choices": choices,
             "usage": self._with_reasoning_tokens(usage.as_dict(), num_reasoning),
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
             **self._prompt_fields(results[0].prompt_logprobs if results else ()),
         }
 

@@ -53,7 +53,10 @@ def with_server_defaults(
     (``--enable-force-include-usage``, ``--return-tokens-as-token-ids``)."""
     config = state.config
     return options.with_server_defaults(
-        stream, config.enable_force_include_usage, config.return_tokens_as_token_ids
+        stream,
+        config.enable_force_include_usage,
+        config.return_tokens_as_token_ids,
+        config.enable_prompt_tokens_details,
     )
 
 
@@ -149,7 +152,7 @@ async def stream_sse(
         raise
 
     async def events() -> AsyncIterator[bytes]:
-        usage = UsageCounter()
+        usage = UsageCounter(details=state.config.enable_prompt_tokens_details)
         try:
             if first is not None:
                 async with _closing(deltas):

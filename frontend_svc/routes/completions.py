@@ -41,6 +41,8 @@ from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.text.tokenizer import EncodedPrompt, Tokenizer
 from protos.types import TokenLogprob
 
+_UNASKED = {"prompt_logprobs": None, "prompt_token_ids": None, "token_ids": None}
+
 
 async def create_completion(request: Request) -> Response:
     state = gateway(request)
@@ -250,7 +252,7 @@ class _Context:
         return chunk
 
     def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        usage = UsageCounter()
+        usage = UsageCounter(details=self.req.options.prompt_tokens_details)
         choices = []
         for r in results:
             usage.prompt_tokens[r.prompt_index] = r.num_prompt_tokens
@@ -267,6 +269,9 @@ class _Context:
                     ),
                     "finish_reason": r.finish_reason,
                     "stop_reason": r.stop_reason,
+                    # vLLM sends these keys always, null when not asked for (the openai client
+                    # reads them as attributes).
+                    **_UNASKED,
                     **self._extras(True, r.prompt_index, r.token_ids, r.prompt_logprobs),
                 }
             )

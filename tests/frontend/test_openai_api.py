@@ -221,12 +221,31 @@ def test_stop_token_ids(client: openai.OpenAI, hf_tokenizer: Tokenizer) -> None:
     assert r.choices[0].text == "Hello world!"
 
 
-def test_cached_tokens(client: openai.OpenAI) -> None:
+def test_cached_tokens(client: openai.OpenAI, engine: FakeEngine) -> None:
+    """usage.prompt_tokens_details: null unless --enable-prompt-tokens-details, and then only
+    when the prefix cache served some of the prompt (vLLM's rule)."""
     prompt = "The engine batches requests and the gateway streams text back."
     client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
     r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
-    assert r.usage is not None and r.usage.prompt_tokens_details is not None
-    assert (r.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    assert r.usage is not None and r.usage.prompt_tokens_details is None  # the flag is off
+    g = GatewayServer(engine.address, enable_prompt_tokens_details=True).start()
+    try:
+        g.wait_healthy()
+        detailed = openai.OpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=10)
+        fresh = "A prompt this engine has not seen before, so nothing of it is cached."
+        r = detailed.completions.create(model=MODEL_NAME, prompt=fresh, max_tokens=2)
+        assert r.usage is not None and r.usage.prompt_tokens_details is None  # none cached
+        r = detailed.completions.create(model=MODEL_NAME, prompt=fresh, max_tokens=2)
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        assert (r.usage.prompt_tokens_details.cached_tokens or 0) > 0
+        messages: Any = [{"role": "user", "content": fresh}]
+        for _ in range(2):  # the second one finds the first one's prompt cached
+            chat = detailed.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=2
+            )
+        assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    finally:
+        g.stop()
 
 
 def test_tokenize_and_detokenize(gateway: GatewayServer, hf_tokenizer: Tokenizer) -> None:

@@ -89,7 +89,8 @@ def test_completions_prompt_logprobs(gateway: GatewayServer, hf_tokenizer: Token
     # 0: the prompt token alone; not asked for: no field.
     r = completion(gateway, max_tokens=3, prompt_logprobs=0)
     check_prompt_logprobs(r["choices"][0]["prompt_logprobs"], prompt, 0, hf_tokenizer)
-    assert "prompt_logprobs" not in completion(gateway, max_tokens=3)["choices"][0]
+    # Not asked for: null, as vLLM sends it (the openai client reads the attribute).
+    assert completion(gateway, max_tokens=3)["choices"][0]["prompt_logprobs"] is None
     # echo with logprobs scores the prompt: shown too, with as many alternatives (vLLM).
     r = completion(gateway, max_tokens=2, echo=True, logprobs=1)
     check_prompt_logprobs(r["choices"][0]["prompt_logprobs"], prompt, 1, hf_tokenizer)
@@ -106,7 +107,7 @@ def test_chat_prompt_logprobs(gateway: GatewayServer, hf_tokenizer: Tokenizer) -
     prompt = r["prompt_token_ids"]
     assert len(prompt) == r["usage"]["prompt_tokens"]
     check_prompt_logprobs(r["prompt_logprobs"], prompt, 1, hf_tokenizer)
-    assert "prompt_logprobs" not in chat(gateway, max_tokens=2)
+    assert chat(gateway, max_tokens=2)["prompt_logprobs"] is None  # vLLM: the key, null
 
 
 def test_streams_carry_prompt_logprobs_in_the_first_chunk(
@@ -142,7 +143,8 @@ def test_completions_return_token_ids(
     assert len(c["token_ids"]) == r["usage"]["completion_tokens"] == 5
     assert hf_tokenizer.decode(c["token_ids"]) == c["text"]
     assert list(engine.add_messages[f"{r['id']}-0"].prompt_token_ids) == prompt
-    assert "token_ids" not in completion(gateway, max_tokens=2)["choices"][0]
+    plain = completion(gateway, max_tokens=2)["choices"][0]  # vLLM: the keys, null
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
     # echo with token ids: the prompt is in prompt_token_ids, not decoded into the text (vLLM).
     r = completion(gateway, max_tokens=3, echo=True, return_token_ids=True)
     c = r["choices"][0]
@@ -168,7 +170,7 @@ def test_chat_return_token_ids(gateway: GatewayServer, hf_tokenizer: Tokenizer) 
     assert len(c["token_ids"]) == r["usage"]["completion_tokens"] == 5
     assert hf_tokenizer.decode(c["token_ids"]) == c["message"]["content"]
     plain = chat(gateway, max_tokens=2)
-    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
 
     body = {"messages": MESSAGES, "max_tokens": 6, "return_token_ids": True}
     chunks = stream(gateway, "/v1/chat/completions", body)

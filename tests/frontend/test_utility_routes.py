@@ -42,7 +42,12 @@ def engine(tokenizer_dir: Path, hf_tokenizer: Tokenizer, tmp_path: Path) -> Iter
 
 @pytest.fixture()
 def gateway(engine: FakeEngine) -> Iterator[GatewayServer]:
-    g = GatewayServer(engine.address, api_key=KEY, enable_utility_endpoints=True).start()
+    g = GatewayServer(
+        engine.address,
+        api_key=KEY,
+        enable_utility_endpoints=True,
+        enable_prompt_tokens_details=True,
+    ).start()
     g.wait_healthy()
     yield g
     g.stop()
@@ -61,7 +66,8 @@ def complete(g: GatewayServer, prompt: str = "Hello world", max_tokens: int = 3)
 
 def cached_tokens(r: httpx.Response) -> int:
     assert r.status_code == 200, r.text
-    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    details = r.json()["usage"]["prompt_tokens_details"]  # null when none were cached (vLLM)
+    return int(details["cached_tokens"]) if details is not None else 0
 
 
 def health(g: GatewayServer) -> httpx.Response:

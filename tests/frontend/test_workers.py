@@ -91,8 +91,11 @@ def test_workers_get_the_config_the_supervisor_parsed() -> None:
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
         reasoning_parser="qwen3",
+        enable_prompt_tokens_details=True,
         return_tokens_as_token_ids=True,
         enable_force_include_usage=True,
+        responses_store_max_entries=5,
+        responses_store_max_bytes=1000,
     )
     default = FrontendConfig()
     changed = [f.name for f in dataclasses.fields(config)]

@@ -27,7 +27,13 @@ def gateway(
     gw: Gateway | None = None
     try:
         engine.wait_ready()
-        gw = Gateway(engine.address, cache_dir, log_dir, "--enable-utility-endpoints")
+        gw = Gateway(
+            engine.address,
+            cache_dir,
+            log_dir,
+            "--enable-utility-endpoints",
+            "--enable-prompt-tokens-details",
+        )
         yield gw.wait_healthy(), profile_dir
     finally:
         if gw is not None:
