@@ -36,8 +36,20 @@ from frontend_svc.protocol.base import problem
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1  # the engine contract's integer types
 
 
+# Below this a float holds every integer exactly; from it on, a float read from JSON may be an
+# integer literal too long for 64 bits that the parser rounded (-2**63 - 1 reads as -2**63).
+_EXACT_FLOAT_INTS = 2**53
+
+
 def _integral(v: Any) -> Any:
-    return int(v) if type(v) is float and v.is_integer() else v
+    if type(v) is float and v.is_integer():
+        if abs(v) >= _EXACT_FLOAT_INTS:
+            raise problem(
+                f"must be an integer this server reads exactly: {v:g} is beyond 64 bits, or "
+                "written as a float of 2^53 or more"
+            )
+        return int(v)
+    return v
 
 
 # A list stops at its first bad item: a 4 MiB body of bad items must not cost one error each.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import orjson
 import pytest
 from pydantic import BaseModel
 
@@ -76,6 +77,19 @@ def test_integral_floats_are_integers() -> None:
     assert (req.sampling.n, req.sampling.engine.max_tokens, req.sampling.engine.seed) == (2, 3, 7)
     assert req.sampling.engine.stop_token_ids == (1, 2) and req.prompts == ((5, 6),)
     assert all(type(t) is int for t in req.sampling.engine.stop_token_ids + req.prompts[0])
+
+
+def test_an_integer_json_cannot_hold_exactly_is_refused() -> None:
+    """orjson reads an integer literal beyond 64 bits as a float: -2**63 - 1 became -2**63 and
+    was accepted as a seed in range. A float from 2**53 on may be such a literal: refused, named."""
+    body = b'{"model": "m", "prompt": "hi", "seed": -9223372036854775809}'
+    with pytest.raises(ApiError) as e:
+        parse_completion(orjson.loads(body), 20)
+    assert e.value.param == "seed" and "exactly" in e.value.message
+    assert completion(seed=-(2**63)).sampling.engine.seed == -(2**63)  # the bound itself: fine
+    with pytest.raises(ApiError, match="'max_tokens' must be an integer"):
+        completion(max_tokens=2.0**53)
+    assert completion(max_tokens=2.0**53 - 1).sampling.engine.max_tokens == 2**53 - 1
 
 
 @pytest.mark.parametrize(
