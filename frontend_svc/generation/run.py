@@ -24,7 +24,7 @@ from frontend_svc.engine.pool import EnginePool
 from frontend_svc.generation.structured_errors import name_constraint_errors
 from frontend_svc.generation.token_constraints import PreparedPrompt, resolve_token_constraints
 from frontend_svc.protocol import SamplingOptions
-from frontend_svc.server.metrics import Metrics
+from frontend_svc.server.metrics import Metrics, SequenceTimer
 from frontend_svc.server.state import GatewayState
 from frontend_svc.text.output_processor import OutputProcessor, SequenceDelta
 from protos.types import (
@@ -98,7 +98,10 @@ def generate(
                 min_tokens=options.engine.min_tokens,
                 kept_special_ids=kept_special_ids,
             )
-            streams.append(_run_sequence(state.engines, engine_request, processor, state.metrics))
+            timer = state.metrics.sequence(
+                len(prompt.token_ids), options.n, engine_request.sampling_params.max_tokens
+            )
+            streams.append(_run_sequence(state.engines, engine_request, processor, timer))
     # One sequence (n=1, one prompt: nearly every call) is its own stream: no merge task.
     deltas = streams[0] if len(streams) == 1 else merge(streams)
     if options.structured_output_param is not None:
@@ -107,9 +110,8 @@ def generate(
 
 
 async def _run_sequence(
-    engines: EnginePool, request: EngineRequest, processor: OutputProcessor, metrics: Metrics
+    engines: EnginePool, request: EngineRequest, processor: OutputProcessor, timer: SequenceTimer
 ) -> AsyncIterator[SequenceDelta]:
-    timer = metrics.sequence(len(request.prompt_token_ids))
     try:
         async with contextlib.aclosing(engines.generate(request)) as outputs:
             async for out in outputs:

@@ -71,6 +71,7 @@ ALIASES = {
     ),
 }
 # vLLM's buckets.
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
@@ -226,7 +227,12 @@ class Metrics:
         # the first engine's model info arrives (no sequence finishes before that).
         self.request_prompt_tokens: Histogram | None = None
         self.request_generation_tokens: Histogram | None = None
+        self.request_max_tokens: Histogram | None = None
+        self.request_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS
+        )
         self._request_histograms = [
+            self.request_n,
             self.ttft,
             self.itl,
             self.e2e,
@@ -303,7 +309,18 @@ class Metrics:
                     ("vllm:request_generation_tokens", "Number of generation tokens processed."),
                 )
             )
-            self._request_histograms += [self.request_prompt_tokens, self.request_generation_tokens]
+            self.request_max_tokens = Histogram(
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+                ["model_name"],
+                buckets=length_buckets(info.max_model_len),
+                registry=self.registry,
+            )
+            self._request_histograms += [
+                self.request_prompt_tokens,
+                self.request_generation_tokens,
+                self.request_max_tokens,
+            ]
         for metric in (
             self.prefix_queries,
             self.prefix_hits,
@@ -317,6 +334,9 @@ class Metrics:
             histogram.labels(m)
         for reason in FinishReason:
             self.request_success.labels(m, reason.value)
+        if engine not in self._last:  # no load yet: the engine's gauges start at zero (vLLM)
+            for gauge in self._load_gauges:
+                self.child(gauge, m, engine).set(0)
 
     def observe_load(self, engine: str, load: LoadFigures) -> None:
         """Every engine message. A gauge is written only when its figure changed (most steps
@@ -446,12 +466,16 @@ class Metrics:
         affinity = "true" if affinity_tokens > 0 else "false"
         self.child(self.routed, self.model_name, engine, affinity).inc()
 
-    def sequence(self, num_prompt_tokens: int) -> SequenceTimer:
-        """A timer for one sequence just sent to the engine; feed it every output."""
+    def sequence(
+        self, num_prompt_tokens: int, n: int = 1, max_tokens: int | None = None
+    ) -> SequenceTimer:
+        """A timer for one sequence just sent to the engine; feed it every output. ``n`` and
+        ``max_tokens``: its request's parameters (vLLM's request_params histograms, one
+        observation per sequence as vLLM's engine counts its child requests)."""
         children = self._children
         if children is None or children.model_name != self.model_name:
             children = self._children = _SequenceChildren(self)
-        return SequenceTimer(self, children, num_prompt_tokens)
+        return SequenceTimer(self, children, num_prompt_tokens, n, max_tokens)
 
     def exposition(self) -> bytes:
         """The text format of every figure: this process's, or with workers all of theirs."""
@@ -516,14 +540,22 @@ class SequenceTimer:
         "_queued",
         "_prefill",
         "_ended",
+        "_n",
+        "_max_tokens",
     )
 
     def __init__(
-        self, metrics: Metrics, children: _SequenceChildren, num_prompt_tokens: int
+        self,
+        metrics: Metrics,
+        children: _SequenceChildren,
+        num_prompt_tokens: int,
+        n: int = 1,
+        max_tokens: int | None = None,
     ) -> None:
         self._metrics = metrics
         self._children = children
         self._num_prompt_tokens = num_prompt_tokens
+        self._n, self._max_tokens = n, max_tokens
         self._num_generated = 0
         self._start = metrics.clock()
         self._first_token: float | None = None
@@ -581,6 +613,9 @@ class SequenceTimer:
             )
         if metrics.request_generation_tokens is not None:
             child(metrics.request_generation_tokens, m).observe(self._num_generated)
+        child(metrics.request_n, m).observe(self._n)
+        if metrics.request_max_tokens is not None and self._max_tokens is not None:
+            child(metrics.request_max_tokens, m).observe(self._max_tokens)
 
 
 class _WithAliases(Collector):

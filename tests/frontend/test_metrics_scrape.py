@@ -56,6 +56,8 @@ VLLM_METRICS = {
     "vllm:request_inference_time_seconds": ("histogram", False),
     "vllm:request_prompt_tokens": ("histogram", False),
     "vllm:request_generation_tokens": ("histogram", False),
+    "vllm:request_params_n": ("histogram", False),
+    "vllm:request_params_max_tokens": ("histogram", False),
 }
 
 
@@ -144,6 +146,11 @@ def test_every_vllm_metric_after_real_requests(gateway: GatewayServer, engine: F
     ):
         assert m.get(f"vllm:{name}_count", **model) == 4, name
     assert m.get("vllm:request_prompt_tokens_sum", **model) == prompt
+    # The request parameters, once per sequence (vLLM's request_params histograms).
+    assert m.get("vllm:request_params_n_count", **model) == 4
+    assert m.get("vllm:request_params_n_sum", **model) == 4
+    assert m.get("vllm:request_params_max_tokens_count", **model) == 4
+    assert m.get("vllm:request_params_max_tokens_sum", **model) == 3 + 3 + 60 + 4
     assert m.get("vllm:request_generation_tokens_sum", **model) == completion
     itl = m.get("vllm:inter_token_latency_seconds_count", **model)
     assert 1 <= itl <= completion - 4
@@ -177,6 +184,32 @@ def test_every_vllm_metric_after_real_requests(gateway: GatewayServer, engine: F
     }
     assert m.get("vllm:cache_config_info", **info) == 1
     assert m.total("tandem:engine_requests_total", **mine) == 4
+
+
+def test_an_engines_load_gauges_are_zero_before_its_first_request(
+    gateway: GatewayServer, engine: FakeEngine
+) -> None:
+    """As vLLM exports them from start-up: an autoscaler or alert reading them must not find
+    the series missing until the first request."""
+    mine = {"model_name": MODEL_NAME, "engine": engine.address}
+    m = scrape(gateway.url)
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+    ):
+        assert m.get(name, **mine) == 0, name
+    assert m.get("vllm:request_params_n_count", model_name=MODEL_NAME) == 0
+
+
+def test_n_is_observed_per_sequence(gateway: GatewayServer) -> None:
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=10)
+    client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, n=3)
+    m = scrape(gateway.url)
+    assert m.get("vllm:request_params_n_count", model_name=MODEL_NAME) == 3
+    assert m.get("vllm:request_params_n_bucket", model_name=MODEL_NAME, le="2.0") == 0
+    assert m.get("vllm:request_params_n_bucket", model_name=MODEL_NAME, le="5.0") == 3
 
 
 def test_gauges_of_an_engine_that_left_are_removed(fleet: Engines) -> None:
