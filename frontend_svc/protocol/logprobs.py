@@ -65,7 +65,8 @@ class CompletionLogprobs:
         }
 
     def _top_by_text(self, entry: TokenLogprob) -> dict[str, float]:
-        """The top alternatives plus the chosen token, keyed by decoded text.
+        """The chosen (or echoed) token, then the top alternatives, keyed by decoded text, in
+        that order (vLLM's).
 
         Several ids can decode to the same text; each text keeps the highest logprob among them,
         whether it came from an alternative or from the chosen token itself. So no entry shows
@@ -73,8 +74,8 @@ class CompletionLogprobs:
         appears under its text only when no likelier alternative reads the same.
         """
         best: dict[str, float] = {}
-        candidates = [*entry.top[: self._num_top], (entry.token_id, entry.logprob)]
-        for token_id, logprob in candidates:  # most likely first, the chosen token last
+        candidates = [(entry.token_id, entry.logprob), *entry.top[: self._num_top]]
+        for token_id, logprob in candidates:  # the chosen token, then the most likely first
             key = self._tok.token_text(token_id)
             if key not in best or logprob > best[key]:
                 best[key] = max(logprob, MIN_LOGPROB)

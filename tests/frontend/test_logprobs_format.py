@@ -31,7 +31,7 @@ def test_less_likely_alternative_with_the_same_text_does_not_overwrite() -> None
     entry = TokenLogprob(3, -1.5, 3, top=((1, -0.2), (2, -1.0), (3, -1.5)))
     top = top_logprobs(entry, 3)
     assert top == {" the": -0.2, " a": -1.5}
-    assert list(top) == [" the", " a"]  # still most likely first
+    assert list(top) == [" a", " the"]  # the chosen token first, then the top (vLLM's order)
 
 
 def test_chosen_token_does_not_overwrite_a_likelier_alternative_with_its_text() -> None:
@@ -44,6 +44,7 @@ def test_chosen_token_does_not_overwrite_a_likelier_alternative_with_its_text() 
 def test_chosen_token_outside_the_top_is_added_under_its_own_text() -> None:
     entry = TokenLogprob(4, -3.0, 5, top=((1, -0.2), (3, -0.9)))
     assert top_logprobs(entry, 2) == {" the": -0.2, " a": -0.9, " an": -3.0}
+    assert list(top_logprobs(entry, 2)) == [" an", " the", " a"]  # chosen, then most likely
 
 
 def test_chosen_token_keeps_its_logprob_over_a_less_likely_same_text_alternative() -> None:
