@@ -328,7 +328,12 @@ class _Context:
             extracted = self.parser.extract(content)
             # parallel_tool_calls false: at most one call (enforced by the schema for "required").
             calls = extracted.calls if self.req.tools.parallel_tool_calls else extracted.calls[:1]
-            if calls:
+            if self.req.tools.choice in ("required", "function"):
+                # The output was constrained to be the calls: content "" and the calls made, []
+                # when max_tokens cut the output off before one was whole (vLLM's answer).
+                message["content"] = ""
+                message["tool_calls"] = [c.to_openai() for c in calls]
+            elif calls:
                 message["content"] = extracted.content
                 message["tool_calls"] = [c.to_openai() for c in calls]
         echoed = self._echoed()

@@ -279,6 +279,25 @@ def test_required_choice_output_is_a_list_of_calls(
         assert not content and finish == "tool_calls" and named(calls) == expected
 
 
+def test_constrained_calls_answer_as_vllm_does(
+    gateways: dict[str | None, GatewayServer], engine: FakeEngine, hf_tok: HFTokenizer
+) -> None:
+    """tool_choice required or named: content is "" beside the calls (not null), and a choice
+    that max_tokens cut off before a call was whole has tool_calls [] (vLLM's answer)."""
+    ids = script(engine, hf_tok, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    client = client_of(gateways, None)
+    required: Any = {"tools": TOOLS, "tool_choice": "required"}
+    message = chat(client, **required).choices[0].message
+    assert message.content == "" and len(message.tool_calls or ()) == 1
+    cut = chat(client, **required, max_tokens=len(ids) // 2).choices[0]
+    assert cut.finish_reason == "length"
+    assert cut.message.content == "" and cut.message.tool_calls == []
+    script(engine, hf_tok, '{"city": "Oslo"}')
+    named_choice = {"type": "function", "function": {"name": "get_weather"}}
+    message = chat(client, tools=TOOLS, tool_choice=named_choice).choices[0].message
+    assert message.content == "" and len(message.tool_calls or ()) == 1
+
+
 def test_auto_needs_both_server_flags(gateways: dict[str | None, GatewayServer]) -> None:
     client = client_of(gateways, None)
     for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
