@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine_svc.lora.errors import LoRAInvalidError
+from engine_svc.lora.errors import LoRAInvalidError, LoRAPathNotFoundError
 
 if TYPE_CHECKING:
     from engine_svc.models.llama import DecoderSpec
@@ -136,6 +136,8 @@ def load_adapter(path: str | Path, dims: ModelDims, max_rank: int) -> LoRAAdapte
 
     Raises LoRAInvalidError naming the file (and key) for anything that cannot be served."""
     directory = Path(path)
+    if not directory.exists():
+        raise LoRAPathNotFoundError(f"{directory}: no such adapter directory")
     if not directory.is_dir():
         raise LoRAInvalidError(f"{directory}: not a directory (a PEFT adapter is a directory)")
     config = _read_config(directory / CONFIG_FILE, max_rank)

@@ -18,6 +18,11 @@ class LoRANotFoundError(LoRAError):
     """No loaded adapter has this name (never added, or removed). gRPC: NOT_FOUND."""
 
 
+class LoRAPathNotFoundError(LoRANotFoundError):
+    """An adapter path that does not exist on the engine's file system. gRPC: NOT_FOUND (vLLM
+    answers a load of a missing path 404)."""
+
+
 class LoRAExistsError(LoRAError):
     """An adapter with this name is already loaded. gRPC: ALREADY_EXISTS."""
 

@@ -34,6 +34,11 @@ class LoadLoraAdapterBody(RequestModel):
         default=False,
         description="Tandem: keep the adapter on the device (never moved out for another).",
     )
+    load_inplace: Bool = Field(
+        default=False,
+        description="vLLM's: replace an adapter already loaded under this name (requests "
+        "running with the old one finish with it).",
+    )
 
 
 class UnloadLoraAdapterBody(RequestModel):

@@ -31,14 +31,20 @@ async def load_lora_adapter(request: Request) -> Response:
         raise invalid_parameter(
             f"The name '{name}' is the served model's; give the adapter another.", "lora_name"
         )
-    await state.engines.fanout.refresh_adapters()  # one loaded through another gateway counts too
-    if state.engines.fanout.has_adapter(name):
-        raise invalid_parameter(
-            f"The lora adapter '{name}' has already been loaded.",
-            "lora_name",
-            code="already_exists",
-        )
-    await state.engines.fanout.add_lora(name, body.lora_path, body.pin)
+    fanout = state.engines.fanout
+    await fanout.refresh_adapters()  # one loaded through another gateway counts too
+    if fanout.has_adapter(name):
+        if not body.load_inplace:
+            raise invalid_parameter(
+                f"The lora adapter '{name}' has already been loaded.",
+                "lora_name",
+                code="already_exists",
+            )
+        # vLLM's load_inplace: the new directory replaces the old under the same name. Requests
+        # running with the old one finish with it; one that fails to load leaves the name free.
+        await fanout.remove_lora(name)
+        logger.info("replacing LoRA adapter %s", name)
+    await fanout.add_lora(name, body.lora_path, body.pin)
     logger.info("loaded LoRA adapter %s from %s", name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -616,6 +616,8 @@ class _Servicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name must not be empty")
         if name in e.loras:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"lora_name '{name}' is in use")
+        if not Path(path).exists():  # as the engine: NOT_FOUND for a path that is not there
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{path}: no such adapter directory")
         config = Path(path) / "adapter_config.json"
         if not config.is_file():
             await context.abort(

@@ -206,6 +206,38 @@ def test_load_use_and_unload(gateway: GatewayServer, engine: FakeEngine, lora_ro
     assert "cannot be found" in r.json()["error"]["message"]
 
 
+def test_load_inplace_replaces_the_adapter(
+    gateway: GatewayServer, engine: FakeEngine, lora_root: Path
+) -> None:
+    """vLLM's load_inplace: the same name, a new directory; without it the name is taken."""
+    old, new = adapter_dir(lora_root, "v1"), adapter_dir(lora_root, "v2")
+    assert (
+        post(
+            gateway, "/v1/load_lora_adapter", {"lora_name": "doc", "lora_path": str(old)}
+        ).status_code
+        == 200
+    )
+    try:
+        body = {"lora_name": "doc", "lora_path": str(new), "load_inplace": True}
+        r = post(gateway, "/v1/load_lora_adapter", body)
+        assert r.status_code == 200, r.text
+        assert engine.loras["doc"].lora_path == str(new)
+        assert models(gateway)["doc"]["root"] == str(new)
+        assert complete(gateway, "doc").status_code == 200 and last_lora(engine) == "doc"
+    finally:
+        post(gateway, "/v1/unload_lora_adapter", {"lora_name": "doc"})
+
+
+def test_a_path_that_does_not_exist_is_404(
+    gateway: GatewayServer, engine: FakeEngine, tmp_path: Path
+) -> None:
+    body = {"lora_name": "ghost", "lora_path": str(tmp_path / "nowhere")}
+    r = post(gateway, "/v1/load_lora_adapter", body)
+    assert r.status_code == 404, r.text  # as vLLM answers it
+    assert "no such adapter directory" in r.json()["error"]["message"]
+    assert "ghost" not in engine.loras and "ghost" not in models(gateway)
+
+
 def test_load_with_pin_pins_it(gateway: GatewayServer, engine: FakeEngine, lora_root: Path) -> None:
     path = str(adapter_dir(lora_root, "pinned"))
     body = {"lora_name": "pinned", "lora_path": path, "pin": True}
@@ -523,7 +555,11 @@ def test_engine_client_calls_and_their_errors(engine: FakeEngine, lora_root: Pat
             assert info.value.address == engine.address
         with pytest.raises(EngineCallError) as info:
             await client.add_lora("c2", str(lora_root / "missing"))
-        assert info.value.code is EngineErrorCode.INVALID_ARGUMENT
+        assert info.value.code is EngineErrorCode.NOT_FOUND  # no such path
+        (lora_root / "empty").mkdir(exist_ok=True)
+        with pytest.raises(EngineCallError) as info:
+            await client.add_lora("c2", str(lora_root / "empty"))
+        assert info.value.code is EngineErrorCode.INVALID_ARGUMENT  # a path, but no adapter
         assert "adapter_config.json" in info.value.message
         await client.close()
 

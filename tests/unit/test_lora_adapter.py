@@ -8,14 +8,16 @@ import math
 import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine_svc.lora.adapter import ModelDims, load_adapter
-from engine_svc.lora.errors import LoRAInvalidError
+from engine_svc.lora.errors import LoRAInvalidError, LoRAPathNotFoundError
 from engine_svc.models.llama import DecoderSpec
 from engine_svc.models.loader import architecture_of, read_hf_config
+from engine_svc.rpc.lora_rpcs import lora_status
 from tests.lora_peft import ALL_TARGETS, make_adapter
 
 PREFIX = "base_model.model.model.layers"
@@ -174,7 +176,15 @@ def check_refused(directory: Path, dims: ModelDims, *fragments: str, max_rank: i
 
 
 def test_not_a_directory(dims: ModelDims, tmp_path: Path) -> None:
-    check_refused(tmp_path / "nowhere", dims, str(tmp_path / "nowhere"), "not a directory")
+    (tmp_path / "file").write_text("x")
+    check_refused(tmp_path / "file", dims, str(tmp_path / "file"), "not a directory")
+
+
+def test_a_path_that_does_not_exist_is_not_found(dims: ModelDims, tmp_path: Path) -> None:
+    """NOT_FOUND on the wire (vLLM answers such a load 404), not INVALID_ARGUMENT."""
+    with pytest.raises(LoRAPathNotFoundError, match="no such adapter directory") as info:
+        load_adapter(tmp_path / "nowhere", dims, max_rank=16)
+    assert lora_status(info.value) is grpc.StatusCode.NOT_FOUND
 
 
 def test_missing_config(qv_adapter: Path, dims: ModelDims, tmp_path: Path) -> None:

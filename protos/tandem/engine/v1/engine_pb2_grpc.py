@@ -193,8 +193,8 @@ class EngineServicer:
         least recently used unpinned one is moved out when another is needed.
 
         Loads an adapter from a PEFT directory on the engine's file system (adapter_config.json and
-        adapter_model.safetensors, or adapter_model.bin). INVALID_ARGUMENT naming the file for a bad
-        directory, a rank above max_lora_rank or a target module the model does not have;
+        adapter_model.safetensors, or adapter_model.bin). NOT_FOUND for a path that does not exist;
+        INVALID_ARGUMENT naming the file for a bad directory, a rank above max_lora_rank or a target module the model does not have;
         ALREADY_EXISTS for a name in use; FAILED_PRECONDITION on an engine started without LoRA
         (max_loras 0); RESOURCE_EXHAUSTED when `pin` cannot be honoured (see PinLora).
         """
