@@ -18,6 +18,7 @@ from pydantic import (
     WithJsonSchema,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import NOT_NULL, RequestModel, given, problem
@@ -213,6 +214,11 @@ class GenerationBody(StructuredOutputFields):
         description="vLLM's: logprob tokens written 'token_id:N' (default: the server's "
         "--return-tokens-as-token-ids).",
     )
+    # vLLM's beam search (generation.beam_search): n beams instead of n samples. Left out of
+    # /openapi.json: its rules against other fields (no stream, logprobs or constraint; n at most
+    # half the server's max_logprobs) are the route's, which JSON Schema here cannot state.
+    use_beam_search: SkipJsonSchema[Bool] = False
+    length_penalty: SkipJsonSchema[Float] = 1.0
 
     @model_validator(mode="after")
     def _generation_rules(self) -> GenerationBody:

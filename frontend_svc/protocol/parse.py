@@ -137,6 +137,8 @@ def _sampling(
         structured_output_param=structured[1] if structured else None,
         bad_words=b.bad_words,
         truncate_prompt_tokens=b.truncate_prompt_tokens,
+        use_beam_search=b.use_beam_search,
+        length_penalty=b.length_penalty,
     )
 
 

@@ -30,6 +30,8 @@ class SamplingOptions:
     structured_output_param: str | None = None  # the field the constraint came from, for errors
     bad_words: tuple[str, ...] = ()  # as the client wrote them (engine.bad_words: as token ids)
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: all that fit
+    use_beam_search: bool = False  # n beams instead of n samples (generation.beam_search)
+    length_penalty: float = 1.0  # beam search: score = cumulative logprob / length ** this
 
     def engine_params(self, max_tokens: int, index: int) -> EngineSamplingParams:
         """Parameters of the ``index``-th of the n engine requests (seeds differ per index)."""

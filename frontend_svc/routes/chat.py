@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from frontend_svc.generation.beam_search import beam_search, check_beam_search
 from frontend_svc.generation.run import (
     ChoiceResult,
     UsageCounter,
@@ -113,6 +114,23 @@ async def create_chat_completion(request: Request) -> Response:
     if reasoning is not None and reasoning.active:
         markers += reasoning.parser.markers
     kept = tokenizer.special_ids_of(markers) if markers else frozenset()
+    if req.sampling.use_beam_search:
+        logprobs = req.logprobs or req.sampling.engine.prompt_logprobs is not None
+        check_beam_search(req.sampling, req.stream, logprobs)
+        search = beam_search(
+            state.engines.generate,
+            tokenizer,
+            info.eos_token_ids,
+            info.max_logprobs,
+            ctx.id,
+            [prepared],
+            req.sampling,
+            lora or "",
+        )
+        try:
+            return JSONResponse(ctx.response(await until_disconnected(request, search)))
+        except ClientDisconnected:
+            return Response(status_code=499)
     deltas = generate(state, ctx.id, [prepared], req.sampling, kept, lora_name=lora or "")
     if req.stream:
         usage_chunk = ctx.usage_chunk if req.options.include_usage else None

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from frontend_svc.generation.beam_search import beam_search, check_beam_search
 from frontend_svc.generation.run import (
     ChoiceResult,
     UsageCounter,
@@ -103,6 +104,23 @@ async def create_completion(request: Request) -> Response:
         random_id("cmpl"),
         lora or state.served_model_name or req.model,
     )
+    if sampling.use_beam_search:
+        logprobs = sampling.engine.logprobs is not None or req.prompt_logprobs is not None
+        check_beam_search(sampling, req.stream, logprobs)
+        search = beam_search(
+            state.engines.generate,
+            tokenizer,
+            info.eos_token_ids,
+            info.max_logprobs,
+            ctx.id,
+            prepared,
+            sampling,
+            lora or "",
+        )
+        try:
+            return JSONResponse(ctx.response(await until_disconnected(request, search)))
+        except ClientDisconnected:
+            return Response(status_code=499)
     deltas = generate(state, ctx.id, prepared, sampling, lora_name=lora or "")
     if req.echo_only:
         deltas = _without_output(deltas)
