@@ -155,6 +155,9 @@ class FrontendConfig:
     enable_force_include_usage: bool = False  # the usage chunk ends every stream
     # usage.prompt_tokens_details (cached tokens) in answers; off: null, as vLLM
     enable_prompt_tokens_details: bool = False
+    enable_server_load_tracking: bool = False  # GET /load: the requests being served (vLLM's)
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's)
+    root_path: str = ""  # served under this path prefix too (behind a path-routing proxy)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: those paths are 404
     enable_runtime_lora_updating: bool = False
@@ -186,6 +189,13 @@ class FrontendConfig:
         if self.responses_store_max_entries < 0 or self.responses_store_max_bytes < 0:
             raise ValueError(
                 "--responses-store-max-entries and --responses-store-max-bytes must be >= 0"
+            )
+        if self.root_path and not (
+            self.root_path.startswith("/") and not self.root_path.endswith("/")
+        ):
+            raise ValueError(
+                f"--root-path {self.root_path!r} must start with '/' and not end with one "
+                "(e.g. /llm)"
             )
         if self.uvicorn_log_level not in (None, *UVICORN_LOG_LEVELS):
             raise ValueError(
@@ -443,6 +453,26 @@ def build_arg_parser(environ: Mapping[str, str] | None = None) -> argparse.Argum
     _flag(
         p,
         env,
+        "--enable-server-load-tracking",
+        "serve GET /load: the generation and pooling requests this process is serving now",
+    )
+    _flag(
+        p,
+        env,
+        "--enable-tokenizer-info-endpoint",
+        "serve GET /tokenizer_info: the tokenizer's configuration and chat template",
+    )
+    _option(
+        p,
+        env,
+        "--root-path",
+        d.root_path,
+        "the path prefix a path-routing proxy serves this gateway under (ASGI root_path): "
+        "routes answer with and without it, and /docs finds /openapi.json under it",
+    )
+    _flag(
+        p,
+        env,
         "--enable-runtime-lora-updating",
         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (every engine loads or "
         "unloads; use with --api-key)",
@@ -533,6 +563,9 @@ def config_from_args(
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_force_include_usage=args.enable_force_include_usage,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            enable_server_load_tracking=args.enable_server_load_tracking,
+            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+            root_path=args.root_path,
             enable_runtime_lora_updating=args.enable_runtime_lora_updating,
             enable_utility_endpoints=args.enable_utility_endpoints,
             responses_store_max_entries=args.responses_store_max_entries,

@@ -59,9 +59,14 @@ Bool = Annotated[bool, Strict()]
 Float = Annotated[float, Strict()]  # ints too: every JSON number
 
 
+# The integers a JSON body can carry here: what orjson reads as an int (beyond, a float that
+# may have been rounded: refused by ``_integral``). An unbounded side of ``InRange`` is this.
+JSON_INT_MIN, JSON_INT_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class InRange:
-    """An integer in ``[lo, hi]`` (None: unbounded on that side)."""
+    """An integer in ``[lo, hi]`` (None: as far as a JSON integer goes that way)."""
 
     lo: int | None = None
     hi: int | None = None
@@ -69,12 +74,13 @@ class InRange:
     def __get_pydantic_core_schema__(
         self, source: Any, handler: GetCoreSchemaHandler
     ) -> CoreSchema:
-        lo, hi = self.lo, self.hi
+        lo = JSON_INT_MIN if self.lo is None else self.lo
+        hi = JSON_INT_MAX if self.hi is None else self.hi
 
         def check(v: int) -> int:
-            if (lo is None or v >= lo) and (hi is None or v <= hi):
+            if lo <= v <= hi:
                 return v
-            raise problem(f"must be in {_interval(lo, hi)}, got {_shown(v)}")
+            raise problem(f"must be in {_interval(self.lo, self.hi)}, got {_shown(v)}")
 
         return core_schema.no_info_after_validator_function(check, handler(source))
 
@@ -82,7 +88,8 @@ class InRange:
         self, schema: CoreSchema, handler: GetJsonSchemaHandler
     ) -> JsonSchemaValue:
         out = handler(schema)
-        out.update({k: v for k, v in (("minimum", self.lo), ("maximum", self.hi)) if v is not None})
+        out["minimum"] = JSON_INT_MIN if self.lo is None else self.lo
+        out["maximum"] = JSON_INT_MAX if self.hi is None else self.hi
         return out
 
 

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend_svc.generation.beam_search import beam_search, check_beam_search
+from frontend_svc.generation.chat_run import chat_run, encode_chat
 from frontend_svc.generation.run import (
     ChoiceResult,
     UsageCounter,
@@ -32,7 +33,6 @@ from frontend_svc.generation.run import (
     generate,
     random_id,
 )
-from frontend_svc.generation.token_constraints import prepare_prompt
 from frontend_svc.protocol import ChatRequest, parse_chat
 from frontend_svc.protocol.logprobs import (
     TOKEN_ID_TEXTS,
@@ -66,54 +66,18 @@ async def create_chat_completion(request: Request) -> Response:
     lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
     require_task(info, req.model, "generate", "chat completions (/v1/chat/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))
-    prompt = await prompt_encoder(request).encode_chat(
-        tokenizer,
-        req.messages,
-        req.add_generation_prompt,
-        req.template_kwargs,
-        # A prompt to truncate is kept whole here: its last tokens are the ones kept.
-        max_length=info.max_model_len if req.sampling.truncate_prompt_tokens is None else None,
-        tools=req.tools.template_tools(),
-        continue_final_message=req.continue_final_message,
-    )
-    prepared = prepare_prompt(
-        prompt.ids,
-        req.sampling.engine.max_tokens,
-        info.max_model_len,
-        info.vocab_size,
-        "messages",
-        req.max_tokens_param,
-        req.sampling.engine.min_tokens,
-        num_tokens=prompt.num_tokens,
-        truncate_prompt_tokens=req.sampling.truncate_prompt_tokens,
-    )
-    parser = req.tools.output_parser(state.tool_parser)
-    reasoning = None
-    if state.reasoning_parser is not None:
-        # A structured-output constraint (response_format, tool_choice required or named)
-        # covers the whole output: the engine applies it from the first token, so the output
-        # holds no reasoning (vLLM starts it after the reasoning; the engine cannot yet).
-        reasoning = state.reasoning_parser.for_request(
-            tokenizer,
-            prepared.token_ids,
-            req.template_kwargs,
-            constrained=req.sampling.engine.structured_output is not None,
-        )
+    encoded = await encode_chat(prompt_encoder(request), tokenizer, info, req)
+    run = chat_run(state, tokenizer, info, req, encoded)
+    prepared, kept = run.prompt, run.kept_ids
     ctx = _Context(
         req,
         tokenizer,
         random_id("chatcmpl"),
         lora or state.served_model_name or req.model,
-        parser,
+        run.parser,
         list(prepared.token_ids),
-        reasoning,
+        run.reasoning,
     )
-    # The parsers' markers stay in the text even where the tokenizer holds them as special
-    # tokens (Qwen's <tool_call>), which skip_special_tokens would drop.
-    markers = parser.markers if parser is not None else ()
-    if reasoning is not None and reasoning.active:
-        markers += reasoning.parser.markers
-    kept = tokenizer.special_ids_of(markers) if markers else frozenset()
     if req.sampling.use_beam_search:
         logprobs = req.logprobs or req.sampling.engine.prompt_logprobs is not None
         check_beam_search(req.sampling, req.stream, logprobs)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ from frontend_svc.errors import engine_unavailable, model_not_found
 from frontend_svc.routes import adapters, utility
 from frontend_svc.routes.common import gateway
 from frontend_svc.server.metrics import CONTENT_TYPE
-from frontend_svc.server.openapi import openapi_schema, swagger_ui_page
+from frontend_svc.server.openapi import OPTIONAL_PATHS, openapi_schema, swagger_ui_page
 from frontend_svc.server.state import ADAPTER_REFRESH_S
 
 _STARTED = int(time.time())
@@ -102,6 +103,7 @@ async def openapi(request: Request) -> Response:
     disabled = (() if config.enable_runtime_lora_updating else adapters.PATHS) + (
         () if config.enable_utility_endpoints else utility.PATHS
     )
+    disabled += tuple(p for p, flag in OPTIONAL_PATHS.items() if not getattr(config, flag))
     for path in disabled:
         doc["paths"].pop(path, None)
     return JSONResponse(doc)
@@ -110,3 +112,27 @@ async def openapi(request: Request) -> Response:
 async def docs(request: Request) -> Response:
     """Swagger UI over /openapi.json (under the proxy's root path, if any), as vLLM serves."""
     return HTMLResponse(swagger_ui_page(request.scope.get("root_path", "") + "/openapi.json"))
+
+
+async def server_load(request: Request) -> Response:
+    """GET /load (``--enable-server-load-tracking``, vLLM's): the generation and pooling
+    requests this gateway process is serving now."""
+    return JSONResponse({"server_load": gateway(request).server_load.in_progress})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """GET /tokenizer_info (``--enable-tokenizer-info-endpoint``, vLLM's): the served
+    tokenizer's configuration (its tokenizer_config.json, with the chat template this server
+    uses) and its class. 503 before an engine has connected."""
+    state = gateway(request)
+    tokenizer, _ = state.require_engine()
+    files = state.tokenizer_files
+    config: dict[str, Any] = {}
+    raw = files.files.get("tokenizer_config.json") if files else None
+    if raw:
+        loaded = json.loads(raw)
+        config = loaded if isinstance(loaded, dict) else {}
+    config.pop("added_tokens_decoder", None)  # one entry per added token: not configuration
+    if files is not None and files.chat_template is not None:
+        config["chat_template"] = files.chat_template
+    return JSONResponse({"tokenizer_class": config.get("tokenizer_class", "tokenizers"), **config})

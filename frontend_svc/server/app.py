@@ -18,15 +18,23 @@ from frontend_svc.engine.errors import EngineCallError, EngineRequestError, Engi
 from frontend_svc.errors import ApiError, from_engine_error, from_http_status, unauthorized
 from frontend_svc.routes import (
     adapters,
+    anthropic,
     chat,
     completions,
+    invocations,
     pooling,
+    responses,
     scoring,
     system,
     tokenize,
     utility,
 )
 from frontend_svc.server.limits import RequestLimitsMiddleware
+from frontend_svc.server.load_report import (
+    LoadReportMiddleware,
+    RootPathMiddleware,
+    route_path,
+)
 from frontend_svc.server.openapi import PUBLIC_PATHS
 from frontend_svc.server.state import GatewayState
 from frontend_svc.text.prompt_encoder import PromptEncoder
@@ -35,18 +43,27 @@ logger = logging.getLogger(__name__)
 
 
 class ApiKeyMiddleware:
-    """401 for every route but the public ones unless ``Authorization: Bearer <key>`` matches."""
+    """401 for every route but the public ones unless ``Authorization: Bearer <key>`` or
+    ``x-api-key: <key>`` (Anthropic's header) matches; in Anthropic's shape on its routes."""
 
     def __init__(self, app: ASGIApp, state: GatewayState) -> None:
         self.app = app
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+        if scope["type"] == "http" and route_path(scope) not in PUBLIC_PATHS:
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"").decode("latin-1") or None
-            if not self.state.api_key_ok(auth):
-                await unauthorized().response()(scope, receive, send)
+            key = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not (
+                self.state.api_key_ok(auth) or (key and self.state.api_key_ok(f"Bearer {key}"))
+            ):
+                if anthropic.is_anthropic_path(route_path(scope)):
+                    error = anthropic.authentication_error()
+                    response = anthropic.error_response(error, self.state.config.retry_after_s)
+                else:
+                    response = unauthorized().response()
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -75,6 +92,8 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         error = from_http_status(
             exc.status_code, request.method, request.url.path, exc.detail, exc.headers
         )
+        if anthropic.is_anthropic_path(route_path(request.scope)):
+            return anthropic.error_response(error, config.retry_after_s)
         return error.response()
 
     async def engine_error(request: Request, exc: Exception) -> Response:
@@ -89,6 +108,9 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         Route("/v1/models/{model:path}", system.retrieve_model, methods=["GET"]),
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
+        Route(anthropic.PATH, anthropic.create_message, methods=["POST"]),
+        Route(f"{anthropic.PATH}/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        *responses.routes(config),
         Route("/v1/embeddings", pooling.create_embedding, methods=["POST"]),
         Route("/pooling", pooling.create_pooling, methods=["POST"]),
         Route("/classify", pooling.create_classification, methods=["POST"]),
@@ -105,7 +127,12 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         Route("/metrics", system.metrics, methods=["GET"]),
         Route("/openapi.json", system.openapi, methods=["GET"]),
         Route("/docs", system.docs, methods=["GET"]),
+        Route("/invocations", invocations.invocations, methods=["POST"]),
     ]
+    if config.enable_server_load_tracking:
+        routes.append(Route("/load", system.server_load, methods=["GET"]))
+    if config.enable_tokenizer_info_endpoint:
+        routes.append(Route("/tokenizer_info", system.tokenizer_info, methods=["GET"]))
     # Off by default, as in vLLM (they change what every client gets): a disabled path is a 404.
     if config.enable_runtime_lora_updating:
         routes += adapters.routes()
@@ -132,10 +159,15 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
     )
     app.state.gateway = state
     app.state.prompt_encoder = encoder
-    if config.api_key:
+    app.add_middleware(
+        LoadReportMiddleware, load=state.server_load, track=config.enable_server_load_tracking
+    )
+    if config.api_key:  # outside the load report: a refused request is not load
         app.add_middleware(ApiKeyMiddleware, state=state)
     # added last, so outermost: a huge header is a 431 even without a valid key
     app.add_middleware(
         RequestLimitsMiddleware, limits=config.limits, retry_after_s=config.retry_after_s
     )
+    if config.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     return app

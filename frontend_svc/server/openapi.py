@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from frontend_svc.protocol.adapters import LoadLoraAdapterBody, UnloadLoraAdapterBody
+from frontend_svc.protocol.anthropic import CountTokensBody, MessagesBody
 from frontend_svc.protocol.models import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from frontend_svc.protocol.pooling import (
     ClassificationRequest,
@@ -27,14 +28,16 @@ from frontend_svc.protocol.pooling import (
     RerankRequest,
     ScoreRequest,
 )
+from frontend_svc.protocol.responses import ResponsesBody
 
 REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": REF.format(model="ErrorResponse")}
+_ANTHROPIC_ERROR = {"$ref": REF.format(model="AnthropicErrorResponse")}
 ERROR_TEXT = {
     400: "Invalid parameter, unparseable JSON, or context length exceeded "
     "(code `context_length_exceeded`)",
     401: "Missing or bad API key",
-    404: "Unknown model",
+    404: "Unknown model (or, for /v1/responses, an unknown stored response)",
     413: "Request body over --max-body-bytes (code `request_too_large`)",
     415: "Content-Type is not application/json",
     429: "Engine queue full (see Retry-After)",
@@ -42,6 +45,7 @@ ERROR_TEXT = {
     500: "The engine failed the call (its message says why)",
     501: "An engine does not implement this call (an older engine)",
     503: "Engine unavailable (see Retry-After)",
+    529: "Engine unavailable: Anthropic's overloaded_error (see Retry-After)",
 }
 # What any route with a JSON body can answer (401 is added where a key is required).
 JSON_BODY_ERRORS = (400, 404, 413, 415, 431, 503)
@@ -65,6 +69,28 @@ STREAMABLE_OK: dict[str, Any] = {
     },
 }
 
+RESPONSE_EVENTS_OK: dict[str, Any] = {
+    "description": "A Response object, or with stream=true an SSE stream of typed events "
+    "(`event: <type>`, `data`: the event with its `type` and `sequence_number`) ending in "
+    "`response.completed`, `response.incomplete` or `response.failed`",
+    "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": STREAMABLE_OK["content"]["text/event-stream"],
+    },
+}
+
+# Anthropic's routes: an unavailable engine is its 529 overloaded_error, not a 503.
+ANTHROPIC_ERRORS = (400, 404, 413, 415, 429, 431, 529)
+MESSAGE_EVENTS_OK: dict[str, Any] = {
+    "description": "A message, or with stream=true an SSE stream of Anthropic's events "
+    "(`event: <type>`, `data`: the event with its `type`) from `message_start` to "
+    "`message_stop`",
+    "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": STREAMABLE_OK["content"]["text/event-stream"],
+    },
+}
+
 
 @dataclass(frozen=True)
 class Operation:
@@ -81,6 +107,7 @@ class Operation:
     public: bool = False
     path_params: tuple[str, ...] = ()
     query_params: tuple[tuple[str, dict[str, Any]], ...] = ()
+    anthropic: bool = False  # errors in Anthropic's shape (those of the HTTP layer: either)
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -107,6 +134,57 @@ OPERATIONS: tuple[Operation, ...] = (
         ChatBody,
         GENERATION_ERRORS,
         ok=STREAMABLE_OK,
+    ),
+    Operation(
+        "/v1/responses",
+        "post",
+        "Create a response (OpenAI's Responses API)",
+        ResponsesBody,
+        GENERATION_ERRORS,
+        ok=RESPONSE_EVENTS_OK,
+    ),
+    Operation(
+        "/v1/responses/{response_id}",
+        "get",
+        "Retrieve a stored response",
+        errors=(400, 404),
+        path_params=("response_id",),
+    ),
+    Operation(
+        "/v1/responses/{response_id}",
+        "delete",
+        "Delete a stored response",
+        errors=(404,),
+        path_params=("response_id",),
+    ),
+    Operation(
+        "/v1/responses/{response_id}/input_items",
+        "get",
+        "List a stored response's input items",
+        errors=(400, 404),
+        path_params=("response_id",),
+        query_params=(
+            ("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+            ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
+            ("after", {"type": "string"}),
+        ),
+    ),
+    Operation(
+        "/v1/messages",
+        "post",
+        "Create a message (Anthropic's Messages API)",
+        MessagesBody,
+        ANTHROPIC_ERRORS,
+        ok=MESSAGE_EVENTS_OK,
+        anthropic=True,
+    ),
+    Operation(
+        "/v1/messages/count_tokens",
+        "post",
+        "Count a message's input tokens (Anthropic's Messages API)",
+        CountTokensBody,
+        tuple(c for c in ANTHROPIC_ERRORS if c != 429),
+        anthropic=True,
     ),
     Operation("/tokenize", "post", "Tokenize a prompt or chat", TokenizeBody, JSON_BODY_ERRORS),
     Operation("/detokenize", "post", "Detokenize token ids", DetokenizeBody, JSON_BODY_ERRORS),
@@ -183,7 +261,19 @@ OPERATIONS: tuple[Operation, ...] = (
         ok={"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
         public=True,
     ),
+    Operation("/load", "get", "Requests being served (--enable-server-load-tracking)"),
+    Operation(
+        "/tokenizer_info",
+        "get",
+        "Tokenizer configuration (--enable-tokenizer-info-endpoint)",
+        errors=(503,),
+    ),
 )
+# Paths served only with their flag (left out of this document otherwise, as they are 404).
+OPTIONAL_PATHS = {
+    "/load": "enable_server_load_tracking",
+    "/tokenizer_info": "enable_tokenizer_info_endpoint",
+}
 # Served without the API key: probes, scrapes, and the API document (it says how to
 # authenticate; vLLM serves it without a key too).
 PUBLIC_PATHS = frozenset(op.path for op in OPERATIONS if op.public)
@@ -231,7 +321,7 @@ def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
         codes = sorted({*op.errors, *(() if op.public or not api_key else (401,))})
         spec: dict[str, Any] = {
             "summary": op.summary,
-            "responses": {"200": op.ok or OK, **{str(c): _error(c) for c in codes}},
+            "responses": {"200": op.ok or OK, **{str(c): _error(c, op.anthropic) for c in codes}},
         }
         parameters = [
             {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
@@ -247,7 +337,13 @@ def openapi_schema(version: str, api_key: bool = False) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": TITLE, "version": version},
-        "components": {"schemas": {**definitions, "ErrorResponse": _ERROR_RESPONSE}},
+        "components": {
+            "schemas": {
+                **definitions,
+                "ErrorResponse": _ERROR_RESPONSE,
+                "AnthropicErrorResponse": _ANTHROPIC_ERROR_RESPONSE,
+            }
+        },
         "paths": paths,
     }
     if api_key:
@@ -269,8 +365,12 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def _error(code: int) -> dict[str, Any]:
-    return {"description": ERROR_TEXT[code], **_json(_ERROR)}
+def _error(code: int, anthropic: bool = False) -> dict[str, Any]:
+    if not anthropic:
+        return {"description": ERROR_TEXT[code], **_json(_ERROR)}
+    # 413 and 431 may come from the HTTP limits, before the route: in the OpenAI shape
+    schema = {"anyOf": [_ANTHROPIC_ERROR, _ERROR]} if code in (413, 431) else _ANTHROPIC_ERROR
+    return {"description": ERROR_TEXT[code], **_json(schema)}
 
 
 def _object(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
@@ -286,4 +386,9 @@ _ERROR_RESPONSE = _object(
         param={"type": ["string", "null"]},
         code={"type": ["string", "integer", "null"]},
     ),
+)
+_ANTHROPIC_ERROR_RESPONSE = _object(
+    ["type", "error"],
+    type={"const": "error"},
+    error=_object(["type", "message"], type={"type": "string"}, message={"type": "string"}),
 )

@@ -10,11 +10,12 @@ from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.pool import EnginePool
 from frontend_svc.errors import engine_unavailable, model_not_found
 from frontend_svc.reasoning import ReasoningParser, get_reasoning_parser
+from frontend_svc.server.load_report import ServerLoad
 from frontend_svc.server.metrics import Metrics, MetricsEvents
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.tool_parsers import ToolParser, get_tool_parser
 from protos.gc_heap import freeze_startup_heap
-from protos.types import ModelInfo, TokenizerFiles
+from protos.types import LoadFigures, ModelInfo, TokenizerFiles
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ class GatewayState(MetricsEvents):
         if config.reasoning_parser is not None:
             self.reasoning_parser = get_reasoning_parser(config.reasoning_parser)
         self.engines = EnginePool(config, self)
+        # /load and ORCA load reports (server.load_report); the tokenizer files for
+        # /tokenizer_info.
+        self.server_load = ServerLoad()
+        self.tokenizer_files: TokenizerFiles | None = None
 
     async def connected(self, address: str, info: ModelInfo, files: TokenizerFiles) -> None:
         # An engine reconnecting (restarted, or one more replica) usually brings the tokenizer
@@ -61,6 +66,7 @@ class GatewayState(MetricsEvents):
                 freeze_startup_heap(logger)
         await asyncio.to_thread(tokenizer.prepare_truncation, info.max_model_len)
         self.tokenizer, self.model_info = tokenizer, info
+        self.tokenizer_files = files
         self.metrics.model_name = self.config.served_model_name or info.served_model_name
         logger.info(
             "engine model %s: max_model_len=%d vocab=%d",
@@ -68,6 +74,14 @@ class GatewayState(MetricsEvents):
             info.max_model_len,
             info.vocab_size,
         )
+
+    def load(self, address: str, load: LoadFigures) -> None:
+        self.server_load.engines[address] = load
+        super().load(address, load)
+
+    def left(self, address: str) -> None:
+        self.server_load.engines.pop(address, None)
+        super().left(address)
 
     @property
     def ready(self) -> bool:

@@ -206,7 +206,9 @@ def test_stream_carries_reasoning_then_content(
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     out = joined(chunks)
     assert (out["reasoning"], out["content"], out["finish"]) == (THOUGHT, ANSWER, "stop")
-    assert out["num_reasoning_chunks"] == end - 1  # one token a step: streamed as it came
+    # Streamed as it came: a chunk per engine message, one token a step (fewer when the engine
+    # merged steps the gateway had not read yet, as a real engine does under load).
+    assert 1 < out["num_reasoning_chunks"] <= end - 1
     assert reasoning_tokens(chunks[-1]["usage"]) == end - 1
 
 

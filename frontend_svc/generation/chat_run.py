@@ -1,0 +1,84 @@
+"""A chat request made ready for the engine, once for every route that speaks chat underneath
+(/v1/chat/completions, /v1/responses, /v1/messages): its template rendered and encoded, the
+prompt checked against the context, the tool-call parser and the reasoning split its output
+goes through, and the special tokens whose text those parsers read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frontend_svc.generation.token_constraints import PreparedPrompt, prepare_prompt
+from frontend_svc.protocol.requests import ChatRequest
+from frontend_svc.reasoning import RequestReasoning
+from frontend_svc.server.state import GatewayState
+from frontend_svc.text.prompt_encoder import PromptEncoder
+from frontend_svc.text.tokenizer import EncodedPrompt, Tokenizer
+from frontend_svc.tool_parsers import ToolParser
+from protos.types import ModelInfo
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    prompt: PreparedPrompt
+    parser: ToolParser | None  # what reads tool calls in the output; None: no tools to call
+    reasoning: RequestReasoning | None  # None: the server has no reasoning parser
+    # Special tokens whose text stays in the output even with skip_special_tokens: the parsers'
+    # markers (Qwen's <tool_call>, <think>), which the tokenizer may hold as special tokens.
+    kept_ids: frozenset[int]
+
+
+async def encode_chat(
+    encoder: PromptEncoder, tokenizer: Tokenizer, info: ModelInfo, req: ChatRequest
+) -> EncodedPrompt:
+    """The conversation through the chat template, encoded (off the event loop when big)."""
+    return await encoder.encode_chat(
+        tokenizer,
+        req.messages,
+        req.add_generation_prompt,
+        req.template_kwargs,
+        # A prompt to truncate is kept whole here: its last tokens are the ones kept.
+        max_length=info.max_model_len if req.sampling.truncate_prompt_tokens is None else None,
+        tools=req.tools.template_tools(),
+        continue_final_message=req.continue_final_message,
+    )
+
+
+def chat_run(
+    state: GatewayState,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
+    req: ChatRequest,
+    encoded: EncodedPrompt,
+    prompt_param: str = "messages",
+) -> ChatRun:
+    """``encoded`` checked against the context (errors name ``prompt_param`` and the request's
+    max-tokens field), with the readers of its output."""
+    engine = req.sampling.engine
+    prompt = prepare_prompt(
+        encoded.ids,
+        engine.max_tokens,
+        info.max_model_len,
+        info.vocab_size,
+        prompt_param,
+        req.max_tokens_param,
+        engine.min_tokens,
+        num_tokens=encoded.num_tokens,
+        truncate_prompt_tokens=req.sampling.truncate_prompt_tokens,
+    )
+    parser = req.tools.output_parser(state.tool_parser)
+    reasoning = None
+    if state.reasoning_parser is not None:
+        # A structured-output constraint (response_format, tool_choice required or named)
+        # covers the whole output: the engine applies it from the first token, so the output
+        # holds no reasoning (vLLM starts it after the reasoning; the engine cannot yet).
+        reasoning = state.reasoning_parser.for_request(
+            tokenizer,
+            prompt.token_ids,
+            req.template_kwargs,
+            constrained=engine.structured_output is not None,
+        )
+    markers = parser.markers if parser is not None else ()
+    if reasoning is not None and reasoning.active:
+        markers += reasoning.parser.markers
+    kept = tokenizer.special_ids_of(markers) if markers else frozenset()
+    return ChatRun(prompt, parser, reasoning, kept)
