@@ -9,6 +9,11 @@
 #                    .../whl/cpu for a CPU-only image)
 #   TORCH_SPEC       the torch requirement; the same range as the `engine` extra of pyproject.toml
 #   EXTRAS           engine,gpu (engine alone leaves out CuPy)
+#   CPU_KERNELS      1: gcc in the image, so the engine builds its C CPU kernels on first use (for
+#                    the CPU it runs on: -march=native); 0 (GPU images): none, and an engine run
+#                    with --device cpu falls back to torch's attention
+#   PIP_INDEX_URL    an index other than PyPI for the builder's pip (a mirror, a local wheelhouse:
+#                    scripts/compose_smoke.sh); builder stage only, never in the image that runs
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # ---- builder: a virtual environment with torch and the package, no build tools kept ----
@@ -16,6 +21,7 @@ FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG TORCH_SPEC="torch>=2.5,<2.15"
 ARG EXTRAS=engine,gpu
+ARG PIP_INDEX_URL
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -33,13 +39,17 @@ COPY protos ./protos
 COPY kernels ./kernels
 COPY engine_svc ./engine_svc
 RUN pip install ".[${EXTRAS}]" \
-    && python -c "import torch, engine_svc.healthcheck; print('torch', torch.__version__)"
+    && python -I -c "import torch, engine_svc.healthcheck; print('torch', torch.__version__)"
 
 # ---- runtime ----
 FROM ${BASE_IMAGE}
+ARG CPU_KERNELS=0
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
+    && if [ "${CPU_KERNELS}" = 1 ]; then \
+        apt-get install -y --no-install-recommends gcc libc6-dev; \
+    fi \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 tandem \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin tandem \

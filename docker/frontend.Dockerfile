@@ -3,10 +3,15 @@
 #
 #   docker build -f docker/frontend.Dockerfile -t tandem-frontend .
 #   docker run -p 8000:8000 -e TANDEM_ENGINE=engine-host:50051 -e TANDEM_API_KEY=... tandem-frontend
+#
+# Build arguments: PYTHON_IMAGE (python:3.12-slim-bookworm; any Debian-like image whose `python`
+# is 3.10 or newer with venv), PIP_INDEX_URL (an index other than PyPI for the builder's pip;
+# builder stage only, never in the image that runs).
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 # ---- builder ----
 FROM ${PYTHON_IMAGE} AS builder
+ARG PIP_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
@@ -16,7 +21,7 @@ COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY frontend_svc ./frontend_svc
 RUN pip install . \
-    && python -c "import importlib.util as u, frontend_svc.app; assert u.find_spec('torch') is None"
+    && python -I -c "import importlib.util as u, frontend_svc.server.app; assert u.find_spec('torch') is None"
 
 # ---- runtime ----
 FROM ${PYTHON_IMAGE}
