@@ -147,7 +147,7 @@ def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
 
 def _whole_calls(choice: Any) -> list[tuple[str, str]]:
     assert choice.finish_reason == "tool_calls", choice
-    assert choice.message.content is None
+    assert choice.message.content == ""  # required or named: the output was the calls (vLLM)
     calls = choice.message.tool_calls or []
     assert all(c.type == "function" and c.id.startswith("chatcmpl-tool-") for c in calls)
     return [(c.function.name, c.function.arguments) for c in calls]
