@@ -19,6 +19,7 @@ import torch
 
 from engine_svc.lora.adapter import LoRAAdapter, ModelDims, load_adapter
 from engine_svc.lora.config import LoRAConfig, check_lora_name
+from engine_svc.lora.errors import LoRAInvalidError, LoRAPathNotFoundError
 from engine_svc.lora.registry import Dropped, LoRAInfo, LoRARegistry
 from engine_svc.lora.weights import LoRAWeights
 
@@ -133,7 +134,10 @@ class LoRAManager:
         """Read a registered adapter again (its host copy was dropped: max_cpu_loras)."""
         entry = self.registry.entry(lora_id)
         logger.info("LoRA adapter %r: reading %s again", entry.name, entry.path)
-        self._host[lora_id] = self.read(entry.path)
+        try:
+            self._host[lora_id] = self.read(entry.path)
+        except LoRAPathNotFoundError as e:  # a loaded adapter whose files went: cannot be served
+            raise LoRAInvalidError(f"LoRA adapter {entry.name!r}: {e}") from e
         self._release_memory(self.registry.loaded(lora_id))
 
     def _release_memory(self, dropped: Dropped) -> None:
