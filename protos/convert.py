@@ -64,6 +64,17 @@ def error_code_to_pb(code: EngineErrorCode) -> pb.ErrorCode:
     return _ERROR_CODES_TO_PB.get(code, pb.ERROR_CODE_INTERNAL)
 
 
+_OPTIONALS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
 def request_to_pb(request: EngineRequest) -> pb.AddRequest:
     if request.pooling_params is not None:
         return _add_pooling_request(request, request.pooling_params)
@@ -80,17 +91,8 @@ def request_to_pb(request: EngineRequest) -> pb.AddRequest:
         logit_bias=dict(sp.logit_bias),
         bad_words=[pb.TokenIds(token_ids=list(w)) for w in sp.bad_words],
     )
-    optionals = {
-        "max_tokens": sp.max_tokens,
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "seed": sp.seed,
-        "repetition_penalty": sp.repetition_penalty,
-        "logprobs": sp.logprobs,
-        "prompt_logprobs": sp.prompt_logprobs,
-    }
-    for name, value in optionals.items():
-        if value is not None:
+    for name in _OPTIONALS:  # the proto's optional fields: unset where the engine's default
+        if (value := getattr(sp, name)) is not None:
             setattr(params, name, value)
     so = sp.structured_output
     if so is not None:
@@ -267,15 +269,6 @@ def request_from_pb(m: pb.AddRequest) -> EngineRequest:
 
 
 _NO_SAMPLING = EngineSamplingParams()
-_OPTIONALS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "repetition_penalty",
-    "logprobs",
-    "prompt_logprobs",
-)
 
 
 def sampling_params_from_pb(m: pb.SamplingParams) -> EngineSamplingParams:
