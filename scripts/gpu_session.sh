@@ -22,8 +22,8 @@
 #              syncs per step, batch 1/32/128/256 x context 512/1024/2048, graphs on and off
 #              -> $OUT/step_anatomy_cuda.json
 #   throughput the 256-request Qwen3-0.6B workload (in/out uniform 100-1024), Tandem with graphs,
-#              then eager, with a per-step timeline -> $OUT/throughput_cuda.json,
-#              $OUT/timeline_graphs.json, $OUT/throughput_cuda_eager.json
+#              with a per-step timeline -> $OUT/throughput_cuda.json, $OUT/timeline_graphs.json
+#   eager      the same workload with --enforce-eager -> $OUT/throughput_cuda_eager.json
 #   peers      the same workload, Tandem and transformers' static batching (batch 256) in one run
 #              -> $OUT/throughput_peers.json
 #   relay      benchmarks/gateway_relay.py (16 cores: the gateway-relay issue's targets) ->
@@ -73,7 +73,7 @@ for phase in "$@"; do
   case "$phase" in
     env) ;;
     tests)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu 2>&1 |
+      timeout 170 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=12 tests/gpu 2>&1 |
         tee "$OUT/gpu_tests.log" | quiet 40
       ;;
     kernels)
@@ -81,20 +81,22 @@ for phase in "$@"; do
         python3 benchmarks/kernels_decode.py --help >/dev/null && echo "kernels_decode.py parses"
         python3 benchmarks/kernels_prefill.py --help >/dev/null && echo "kernels_prefill.py parses"
       else
-        timeout 100 python3 benchmarks/kernels_prefill.py --dtype bfloat16 \
+        timeout 60 python3 benchmarks/kernels_prefill.py --dtype bfloat16 \
           --out "$OUT/kernels_prefill.json" 2>&1 | quiet 12
-        timeout 120 python3 benchmarks/kernels_decode.py --dtype bfloat16 \
+        timeout 80 python3 benchmarks/kernels_decode.py --dtype bfloat16 \
           --out "$OUT/kernels_decode.json" 2>&1 | quiet 40
       fi
       ;;
     anatomy)
-      timeout 200 python3 benchmarks/step_anatomy.py "${ANATOMY[@]}" \
+      timeout 110 python3 benchmarks/step_anatomy.py "${ANATOMY[@]}" \
         --out "$OUT/step_anatomy_cuda.json" 2>&1 | quiet 40
       ;;
     throughput)
-      timeout 150 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem \
+      timeout 110 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem \
         --timeline "$OUT/timeline_graphs.json" --out "$OUT/throughput_cuda.json" 2>&1 | quiet 25
-      timeout 120 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem \
+      ;;
+    eager)
+      timeout 80 python3 benchmarks/throughput.py "${WORKLOAD[@]}" --systems tandem \
         --enforce-eager --out "$OUT/throughput_cuda_eager.json" 2>&1 | quiet 25
       ;;
     peers)
