@@ -13,6 +13,13 @@ variant (``tiled_decode``) on the same inputs, each timed as a CUDA graph of
 Achieved bandwidth counts the bytes the kernel must move (K and V of every context token, the
 query, the output); the copy bandwidth is read + write of a 1 GiB ``tensor.copy_()``. The
 issue's target: >= 80 % of it at contexts >= 2048 (batch 64 and 256), >= 60 % at 512. CUDA only.
+
+    python benchmarks/kernels_decode.py --sweep [--out x.json]
+
+times every split-K partition count (1, 2, 4, 8, and the rule's) and every query heads per
+thread block (``queries_per_block``: 1, 2, 4, 8 dividing the GQA group) for each case instead,
+and prints the rule's choice beside the fastest: the data behind ``decode_partitions`` and
+``_queries_per_block`` (a tuning choice: every combination gives the same result).
 """
 
 from __future__ import annotations
@@ -63,6 +70,57 @@ def measure(heads: tuple[int, int], lens: list[int], dtype: torch.dtype, copy_bw
     return row
 
 
+def sweep(heads: tuple[int, int], lens: list[int], dtype: torch.dtype, copy_bw: float) -> dict:
+    """Every partition count x queries per block on one case (see the module's docstring)."""
+    h, hkv = heads
+    batch = len(lens)
+    case = make_case([1] * batch, lens, h, hkv, HEAD_DIM, dtype, index_dtype=I32)
+    q, kc, vc, meta, scale = case.query, case.key_cache, case.value_cache, case.meta, case.scale
+    esize = q.element_size()
+    moved = sum(lens) * hkv * HEAD_DIM * esize * 2 + 2 * q.numel() * esize
+    rule_p = cuda_ops.decode_partitions(batch, h, hkv, max(lens), cuda_ops.num_sms(q.device))
+    rule_q = cuda_ops._queries_per_block(h // hkv)
+    counts = sorted({1, 2, 4, 8, rule_p})
+    ws = cuda_ops.DecodeWorkspace(batch, h, HEAD_DIM, max(counts), q.device)
+    out = torch.empty_like(q)
+    grid = []
+    for qpb in (n for n in (1, 2, 4, 8) if (h // hkv) % n == 0):
+        for parts in counts:
+            ms = graph_ms(
+                lambda p=parts, n=qpb: cuda_ops.paged_attention(
+                    q, kc, vc, meta, scale, out=out, partitions=p, workspace=ws,
+                    queries_per_block=n,
+                )
+            )  # fmt: skip
+            grid.append(dict(partitions=parts, queries_per_block=qpb, ms=ms,
+                             fraction_of_copy=moved / (ms / 1e3) / copy_bw))  # fmt: skip
+    rule = next(g for g in grid if g["partitions"] == rule_p and g["queries_per_block"] == rule_q)
+    best = min(grid, key=lambda g: g["ms"])
+    return dict(heads=h, kv_heads=hkv, batch=batch, context=max(lens),
+                mean_context=sum(lens) / batch, rule=rule, best=best, grid=grid)  # fmt: skip
+
+
+def main_sweep(args: argparse.Namespace, dtype: torch.dtype, copy_bw: float) -> list[dict]:
+    print(f"{'heads':>6} {'batch':>5} {'ctx':>6} {'rule P/q':>9} {'ms':>7} {'of copy':>7} "
+          f"{'best P/q':>9} {'ms':>7} {'of copy':>7}")  # fmt: skip
+    rows = []
+    mixed = [random.Random(0).randint(64, 4096) for _ in range(256)]
+    for shape in args.shapes:
+        heads = HEAD_SHAPES[shape]
+        for lens in [[ctx] * b for b in args.batch for ctx in args.context] + [mixed]:
+            row = sweep(heads, lens, dtype, copy_bw)
+            row["shape"], row["mixed"] = shape, lens is mixed
+            r, b = row["rule"], row["best"]
+            ctx = "mixed" if lens is mixed else str(max(lens))
+            print(f"{heads[0]:>3}/{heads[1]:<2} {len(lens):5d} {ctx:>6} "
+                  f"{r['partitions']:>5}/{r['queries_per_block']:<3} {r['ms']:7.3f} "
+                  f"{r['fraction_of_copy']:7.0%} {b['partitions']:>5}/{b['queries_per_block']:<3} "
+                  f"{b['ms']:7.3f} {b['fraction_of_copy']:7.0%}")  # fmt: skip
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
@@ -70,6 +128,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels_decode.json"))
+    ap.add_argument("--sweep", action="store_true", help="every partition count x queries/block")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_decode.py needs a CUDA device")
@@ -77,6 +136,16 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"{device}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write); {args.dtype}")
+    if args.sweep:
+        rows = main_sweep(args, dtype, copy_bw)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(dict(
+            device=device, date=datetime.date.today().isoformat(), dtype=args.dtype,
+            head_dim=HEAD_DIM, block_size=16, copy_bytes_per_s=copy_bw,
+            command=" ".join(sys.argv), sweep=rows,
+        ), indent=2))  # fmt: skip
+        print(f"wrote {args.out}")
+        return
     print(f"{'heads':>6} {'batch':>5} {'ctx':>6} {'P':>3} {'kernel ms':>9} {'of copy':>7} "
           f"{'tiled ms':>9} {'of copy':>7}")  # fmt: skip
     rows = []

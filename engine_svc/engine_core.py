@@ -309,7 +309,8 @@ class EngineCore:
         self._keep_prompt_logprobs(result)
         touched = self.scheduler.update_from_output(scheduled, result.sampled)
         now = time.monotonic()
-        outputs = [self._output_of(r, result, now) for r in touched]
+        output_of = self._output_of
+        outputs = [output_of(r, result, now) for r in touched]
         stats = self.scheduler.take_stats()  # this step's counters, then a new interval
         return EngineCoreOutputs(outputs, stats, self.scheduler.take_errors())
 
@@ -335,16 +336,17 @@ class EngineCore:
                 phase_times=request.phase_times(now),
                 pooled=result.pooled[rid],
             )
+        logprobs = result.logprobs
         out = EngineCoreOutput(
             request_id=rid,
             new_token_ids=[result.sampled[rid]],
-            new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
+            new_logprobs=[logprobs[rid]] if logprobs and rid in logprobs else [],
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
         )
-        first = request.num_output_tokens == 1
+        first = len(request.output_token_ids) == 1
         if first:
             out.first = True
             request.first_token_ts = now

@@ -317,6 +317,7 @@ def paged_attention(
     workspace: DecodeWorkspace | None = None,
     prefill: bool = True,
     tiled_decode: bool = False,
+    queries_per_block: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every scheduled query token over its request's cached context: decodes
     through paged_decode.cu (split-K), multi-token requests through paged_prefill.cu (``prefill``
@@ -332,6 +333,9 @@ def paged_attention(
     per call). ``tiled_decode``: the tiled variant of the decode kernel (several tokens' K/V
     loaded per lane group before any is used, one softmax rescale per tile; same grid, same
     results up to rounding), off until a GPU run shows it correct and faster.
+    ``queries_per_block``: how many query heads of a GQA group one decode thread block serves
+    (1, 2, 4 or 8, dividing the group); None: the widest that divides it. A tuning knob
+    (benchmarks/kernels_decode.py --sweep): every choice gives the same result.
 
     Block tables and ``seq_lens`` are used as they are when int32 with unit stride (what the
     engine passes); int64 ones (some tests) are converted here, per call.
@@ -390,7 +394,7 @@ def paged_attention(
             longest_decode = max(meta.seq_lens_cpu[:b])
             partitions = decode_partitions(b, h, hkv, longest_decode, num_sms(dev))
         _decode(out, query, key_cache, value_cache, tables, seq_lens, b, scale, partitions,
-                workspace, tiled_decode)  # fmt: skip
+                workspace, tiled_decode, queries_per_block)  # fmt: skip
     if prefill:
         _prefill(out, query, key_cache, value_cache, tables, seq_lens, meta, scale)
     return out
@@ -408,6 +412,7 @@ def _decode(
     partitions: int,
     workspace: DecodeWorkspace | None,
     tiled: bool = False,
+    qpb: int | None = None,
 ) -> None:
     """The first ``num_seqs`` rows of ``query``: one launch of ``partitions`` partitions, then
     the reduce when there is more than one. Reads nothing from the host."""
@@ -415,7 +420,12 @@ def _decode(
         raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}], got {partitions}")
     b, (h, d), dev = num_seqs, query.shape[1:], query.device
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
-    qpb = _queries_per_block(h // hkv)
+    if qpb is None:
+        qpb = _queries_per_block(h // hkv)
+    elif qpb not in _QPB or (h // hkv) % qpb:
+        raise ValueError(
+            f"queries_per_block must be one of {_QPB} dividing the GQA group {h // hkv}, got {qpb}"
+        )
     fns = _decode_fns(query.dtype, d)
     part_out = part_max = part_sum = None
     if partitions > 1:

@@ -26,6 +26,10 @@
 #   eager      the same workload with --enforce-eager -> $OUT/throughput_cuda_eager.json
 #   peers      the same workload, Tandem and transformers' static batching (batch 256) in one run
 #              -> $OUT/throughput_peers.json
+#   sweep      benchmarks/kernels_decode.py --sweep: every split-K partition count x query heads
+#              per thread block, the rule's choice beside the fastest -> $OUT/kernels_decode_sweep.json
+#   ab         the engine A/B in one call: the tree in .ab_base (carried) against this one, the
+#              throughput workload (2 rounds) and the step anatomy at batch 1/256 -> $OUT/ab_*.json
 #   relay      benchmarks/gateway_relay.py (16 cores: the gateway-relay issue's targets) ->
 #              $OUT/gateway_relay_h200.json; ~6 minutes: give it a call of its own
 # Needs the wheels of scripts/gpu_wheels.sh in .whl (carried). Python there is 3.12 with torch,
@@ -38,13 +42,13 @@ set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+SITE=""
 if [[ -d .whl ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD"
+  SITE="/tmp/site:"
 fi
+export PYTHONPATH="$SITE$PWD"
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -58,11 +62,15 @@ cat "$OUT/env.txt"
 WORKLOAD=(--shape qwen3-0.6b --num-requests 256 --input-len 100 1024 --output-len 100 1024
   --max-num-batched-tokens 8192 --device cuda --dtype bfloat16)
 ANATOMY=(--device cuda --dtype bfloat16 --shape qwen3-0.6b --graphs both)
+ANATOMY_AB=(--device cuda --dtype bfloat16 --shape qwen3-0.6b --graphs on --batches 1 256
+  --contexts 512)
+SWEEP=(--batch 1 64 256 --context 512 2048)
 HF_BATCH=256
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   WORKLOAD=(--shape llama-h512 --num-requests 8 --input-len 16 32 --output-len 8 16
     --device cpu --dtype float32)
   ANATOMY=(--device cpu --shape llama-h512 --batches 1 4 --contexts 64 --steps 2 --graphs off)
+  ANATOMY_AB=("${ANATOMY[@]}")
   HF_BATCH=8
 fi
 # The tail of a phase's output without the exit-time noise of triton's bindings (nanobind leak
@@ -86,6 +94,36 @@ for phase in "$@"; do
         timeout 80 python3 benchmarks/kernels_decode.py --dtype bfloat16 \
           --out "$OUT/kernels_decode.json" 2>&1 | quiet 40
       fi
+      ;;
+    sweep)
+      if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        python3 benchmarks/kernels_decode.py --help | grep -q -- --sweep && echo "--sweep parses"
+      else
+        timeout 90 python3 benchmarks/kernels_decode.py --dtype bfloat16 --sweep "${SWEEP[@]}" \
+          --out "$OUT/kernels_decode_sweep.json" 2>&1 | quiet 40
+      fi
+      ;;
+    ab)
+      # The engine, A/B in one call: .ab_base (carried; made with `git archive BASE | tar -x -C
+      # .ab_base`) against this tree: the throughput workload, 2 rounds each, then the step
+      # anatomy at batch 1 and 256 (graphs on) of each.
+      if [[ ! -d .ab_base ]]; then
+        echo "ab: no .ab_base"
+        continue
+      fi
+      for side in head base; do
+        dir="$PWD"
+        [[ $side == base ]] && dir="$PWD/.ab_base"
+        (cd "$dir" && PYTHONPATH="$SITE$dir" timeout 110 python3 benchmarks/throughput.py \
+          "${WORKLOAD[@]}" --systems tandem --rounds 2 --out "$OUT/ab_throughput_$side.json" \
+          2>&1 | quiet 8)
+      done
+      for side in head base; do
+        dir="$PWD"
+        [[ $side == base ]] && dir="$PWD/.ab_base"
+        (cd "$dir" && PYTHONPATH="$SITE$dir" timeout 60 python3 benchmarks/step_anatomy.py \
+          "${ANATOMY_AB[@]}" --out "$OUT/ab_anatomy_$side.json" 2>&1 | quiet 6)
+      done
       ;;
     anatomy)
       timeout 110 python3 benchmarks/step_anatomy.py "${ANATOMY[@]}" \

@@ -120,8 +120,17 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        computed_blocks = computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
+        if blocks and not computed_blocks:
+            # The decode step's common case, taken first (it runs for every running request every
+            # step): the new tokens fit the blocks held and fill none not yet published.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size and (
+                not self.enable_caching
+                or total // self.block_size <= self.num_published.get(request.request_id, 0)
+            ):
+                return []
+        computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + (
             len(computed_blocks) * self.block_size if not blocks else 0
         )

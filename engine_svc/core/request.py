@@ -27,14 +27,22 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
+        # Asked for every request every step: ``_value_`` is a plain attribute, where ``value``
+        # (a descriptor) and hashing a member (Enum.__hash__) run Python code.
+        return self._value_ >= _FIRST_FINISHED
 
 
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-}
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED.value
+
+# By status value (index 0 unused): the finish reason each status reports.
+_FINISH_REASONS: tuple[FinishReason | None, ...] = tuple(
+    {
+        RequestStatus.FINISHED_STOPPED.value: FinishReason.STOP,
+        RequestStatus.FINISHED_LENGTH.value: FinishReason.LENGTH,
+        RequestStatus.FINISHED_ABORTED.value: FinishReason.ABORT,
+    }.get(v)
+    for v in range(max(s.value for s in RequestStatus) + 1)
+)
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,7 @@ class Request:
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
+        return _FINISH_REASONS[self.status._value_]
 
     @property
     def max_tokens(self) -> int:

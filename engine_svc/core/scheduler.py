@@ -404,18 +404,18 @@ class Scheduler:
         return touched
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        # Runs for every request every step: plain reads, each counter taken once.
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED  # the text is complete and its EOS accepted
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -332,8 +332,7 @@ class ModelRunner:
             logprobs = _logprobs_to_host(result)  # copies queued before the sync: they ride on it
             token_ids = result.token_ids.tolist()  # the one host sync of the step
             self.input_batch.append_sampled(rows.tolist(), token_ids, result.token_ids)
-            for req, token in zip(reqs, token_ids, strict=True):
-                out.sampled[req.request_id] = token
+            out.sampled.update(zip((r.request_id for r in reqs), token_ids, strict=True))
             if logprobs is not None:
                 self._collect_logprobs(reqs, logprobs, out)
         for i, s in enumerate(step.batch):

@@ -140,22 +140,26 @@ def test_decode_is_the_same_for_every_partition_count(
     dev = case.query.device
     policy = cuda_ops.decode_partitions(len(seq_lens), h, hkv, max(seq_lens), cuda_ops.num_sms(dev))
     counts = sorted({1, 2, 7, policy})
+    # Every query-heads-per-block choice the group allows (kernels_decode.py --sweep's knob).
+    widths = [n for n in (1, 2, 4, 8) if (h // hkv) % n == 0]
     workspace = cuda_ops.DecodeWorkspace(len(seq_lens), h, d, max(counts), dev)
     results = []
-    for p in counts:
+    for p, qpb in ((p, n) for p in counts for n in widths):
         for buf in (workspace.part_out, workspace.part_max, workspace.part_sum):
             buf.fill_(float("nan"))
         out = torch.full_like(case.query, float("nan"))
         cuda_ops.paged_attention(
-            *args, out=out, partitions=p, workspace=workspace, tiled_decode=tiled
-        )
+            *args, out=out, partitions=p, workspace=workspace, tiled_decode=tiled,
+            queries_per_block=qpb,
+        )  # fmt: skip
         torch.cuda.synchronize()
-        assert not out.isnan().any(), f"P={p}: {int(out.isnan().sum())} NaN outputs"
-        torch.testing.assert_close(out, want, **ATTN_TOL[dtype], msg=lambda m, p=p: f"P={p}: {m}")
-        results.append(out)
-    for p, out in zip(counts[1:], results[1:], strict=True):
+        label = f"P={p} qpb={qpb}"
+        assert not out.isnan().any(), f"{label}: {int(out.isnan().sum())} NaN outputs"
+        torch.testing.assert_close(out, want, **ATTN_TOL[dtype], msg=lambda m, s=label: f"{s}: {m}")
+        results.append((label, out))
+    for label, out in results[1:]:
         torch.testing.assert_close(
-            out, results[0], **ATTN_TOL[dtype], msg=lambda m, p=p: f"P={p} vs P=1: {m}"
+            out, results[0][1], **ATTN_TOL[dtype], msg=lambda m, s=label: f"{s} vs first: {m}"
         )
 
 
@@ -167,6 +171,9 @@ def test_workspace_too_small_is_a_clear_error() -> None:
         cuda_ops.paged_attention(*args, partitions=4, workspace=small)
     with pytest.raises(ValueError, match="partitions must be"):
         cuda_ops.paged_attention(*args, partitions=0)
+    for qpb in (3, 8):  # not a width built / not a divisor of the group of 4
+        with pytest.raises(ValueError, match="queries_per_block must be"):
+            cuda_ops.paged_attention(*args, partitions=2, workspace=small, queries_per_block=qpb)
     cuda_ops.paged_attention(*args, partitions=2, workspace=small)  # 2 x 8 x 2 rows fit 1 x 8 x 4
 
 

@@ -213,6 +213,27 @@ def test_tiled_decode_launches_its_entry_with_the_same_grid_and_args(
     assert tiled_reduce.kernel == plain_reduce.kernel == "paged_decode_reduce_bf16"
 
 
+def test_queries_per_block_picks_the_entry_and_the_grid(launches: list[Launch]) -> None:
+    """GQA 4 (32/8): the widest width by default, another on request (the sweep's knob), and a
+    width that is not built or does not divide the group refused before any launch."""
+    case = make_case([1] * 3, [700, 5, 300], 32, 8, 128, torch.bfloat16, device="cpu",
+                     index_dtype=torch.int32)  # fmt: skip
+    ws = cuda_ops.DecodeWorkspace(4, 32, 128, 8, "cpu")
+    args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    for qpb in (None, 1, 2, 4):
+        launches.clear()
+        cuda_ops.paged_attention(*args, partitions=1, workspace=ws, queries_per_block=qpb)
+        width = qpb or 4
+        assert [(x.kernel, x.grid) for x in launches] == [
+            (f"paged_decode_bf16_q{width}", (32 // width, 3, 1))
+        ]
+    launches.clear()
+    for bad in (3, 8, 0):
+        with pytest.raises(ValueError, match="queries_per_block must be"):
+            cuda_ops.paged_attention(*args, partitions=1, workspace=ws, queries_per_block=bad)
+    assert launches == []
+
+
 def test_decode_without_partitions_uses_the_policy(launches: list[Launch]) -> None:
     case = make_case([1, 1], [3000, 20], 32, 8, 128, torch.float16, device="cpu")  # int64
     cuda_ops.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, 1.0)

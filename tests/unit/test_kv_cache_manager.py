@@ -258,6 +258,26 @@ def test_each_step_publishes_only_the_blocks_that_filled(monkeypatch: pytest.Mon
     assert calls == []  # blocks 0..9 are hits; the tail block is not full
 
 
+def test_a_decode_step_that_fills_no_block_takes_the_short_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode step's common case (room left in the last block, nothing to publish) neither
+    hashes nor allocates; the step whose token fills a block still publishes it, and the next
+    block is taken when the token after it comes."""
+    kv = KVCacheManager(10, BS)
+    r1 = _req("r1", [1, 2, 3, 4, 5])
+    assert _admit(kv, r1) == [0, 1]
+    hashed: list[str] = []
+    real = kv._block_hashes
+    monkeypatch.setattr(kv, "_block_hashes", lambda r: (hashed.append(r.request_id), real(r))[1])
+    assert _decode(kv, r1, 60) == [] and hashed == []  # 6 of 8 slots
+    assert _decode(kv, r1, 70) == [] and hashed == []  # 7 of 8
+    assert _decode(kv, r1, 80) == [] and hashed == ["r1"]  # 8 of 8: block 1 fills, published
+    assert _probe_hits(kv, [1, 2, 3, 4, 5, 60, 70, 80, 0], "p") == ([0, 1], 8)
+    assert _decode(kv, r1, 90) == [2]  # the 9th token needs a third block
+    assert kv.get_block_ids("r1") == [0, 1, 2]
+
+
 def test_prefix_caching_disabled_never_hits() -> None:
     kv = KVCacheManager(10, BS, enable_caching=False)
     r1 = _req("r1", PREFIX + [31])
