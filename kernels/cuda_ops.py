@@ -332,7 +332,8 @@ def paged_attention(
     replayed with other contexts. ``workspace``: where the split-K partials go (None: allocated
     per call). ``tiled_decode``: the tiled variant of the decode kernel (several tokens' K/V
     loaded per lane group before any is used, one softmax rescale per tile; same grid, same
-    results up to rounding), off until a GPU run shows it correct and faster.
+    results up to rounding): correct, but slower in every case measured on an H200
+    (benchmarks/results/attention_gpu.md), so the engine leaves it off.
     ``queries_per_block``: how many query heads of a GQA group one decode thread block serves
     (1, 2, 4 or 8, dividing the group); None: the widest that divides it. A tuning knob
     (benchmarks/kernels_decode.py --sweep): every choice gives the same result.

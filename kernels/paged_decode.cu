@@ -3,8 +3,8 @@
 // Compiled once per dtype and head size (-DWITH_F16, -DWITH_BF16 or -DWITH_F32, and
 // -DHEAD_DIM=...; kernels/variants.py lists the sizes built); extern "C" entry points per number
 // of query heads one thread block serves (QPB: 1, 2, 4 or 8 heads that share one KV head), and
-// the same again for a tiled main loop (paged_decode_tiled_*, described before its code; off in
-// the engine until a GPU run shows it correct and faster).
+// the same again for a tiled main loop (paged_decode_tiled_*, described before its code; correct
+// but slower in every case measured on an H200, 2026-11-27: off in the engine).
 //
 //   grid  = (num_heads / QPB, num_seqs, P)     block = 128 threads     (P = max_partitions)
 //
