@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-logprobs",
         type=int,
         default=ModelConfig.max_logprobs,
-        help="the most logprobs (and prompt logprobs) a request may ask for (default %(default)s)",
+        help="the most logprobs (and prompt logprobs) a request may ask for; -1: the whole "
+        "vocabulary, which lets requests ask for -1 (vLLM's) (default %(default)s)",
     )
     p.add_argument(
         "--scheduling-policy",

@@ -103,6 +103,7 @@ def request_to_pb(request: EngineRequest) -> pb.AddRequest:
             constraint.json_object = True
         else:
             setattr(constraint, so.kind, so.spec)
+        constraint.reasoning_end_token_ids.extend(so.reasoning_end_token_ids)
     return pb.AddRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -207,6 +208,7 @@ def load_from_pb(load: pb.LoadStats) -> LoadFigures:
         # (Empty unless the engine serves LoRA adapters: no tuple built then.)
         running_lora_adapters=tuple(r) if (r := load.running_lora_adapters) else (),
         waiting_lora_adapters=tuple(w) if (w := load.waiting_lora_adapters) else (),
+        num_waiting_deferred=load.num_waiting_deferred,
     )
 
 
@@ -234,6 +236,7 @@ def model_info_from_pb(info: pb.GetModelInfoResponse) -> ModelInfo:
         labels=tuple(info.labels),
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
+        model_type=info.model_type,
     )
 
 
@@ -297,13 +300,16 @@ def structured_output_from_pb(m: pb.StructuredOutput) -> StructuredOutput:
     kind = m.WhichOneof("kind")
     if kind is None:
         raise ValueError("structured_output must set one of its kinds")
+    end = tuple(m.reasoning_end_token_ids)
     if kind == "json_object":
         if not m.json_object:
             raise ValueError("structured_output.json_object must be true when set")
-        return StructuredOutput("json_object")
+        return StructuredOutput("json_object", reasoning_end_token_ids=end)
     if kind == "choice":
-        return StructuredOutput("choice", choices=tuple(m.choice.choices))
-    return StructuredOutput(kind, spec=getattr(m, kind))
+        return StructuredOutput(
+            "choice", choices=tuple(m.choice.choices), reasoning_end_token_ids=end
+        )
+    return StructuredOutput(kind, spec=getattr(m, kind), reasoning_end_token_ids=end)
 
 
 _TASKS_FROM_PB = {number: task for task, number in _POOLING_TASKS.items()}
@@ -396,6 +402,7 @@ def load_to_pb(load: LoadFigures) -> pb.LoadStats:
         prefix_cache_queries=load.prefix_cache_queries,
         prefix_cache_hits=load.prefix_cache_hits,
         num_preemptions=load.num_preemptions,
+        num_waiting_deferred=load.num_waiting_deferred,
     )
     if running := load.running_lora_adapters:  # (only with LoRA adapters in use)
         stats.running_lora_adapters.extend(running)
@@ -426,6 +433,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         labels=list(info.labels),
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
+        model_type=info.model_type,
     )
     if info.bos_token_id is not None:
         m.bos_token_id = info.bos_token_id

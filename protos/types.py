@@ -52,6 +52,9 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
+    # The token ids that end the model's reasoning ("</think>"'s): set, the constraint applies
+    # only after their first occurrence in the output. Empty: from the first output token.
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,9 @@ class LoadFigures:
     # The LoRA adapters (names) that running / waiting requests use.
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Of num_waiting, those stepped over for now (a grammar compiling, no LoRA slot): vLLM's
+    # "deferred" waiting requests; the others wait for capacity.
+    num_waiting_deferred: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,7 @@ class ModelInfo:
     labels: tuple[str, ...] = ()  # the classifier's labels, in output order
     max_loras: int = 0  # LoRA adapters on the device at once; 0: the engine serves none
     max_lora_rank: int = 0  # the largest adapter rank it accepts
+    model_type: str = ""  # the checkpoint's config.json model_type ("": unknown)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ class ModelInfo(contract.ModelInfo):
         """``facts``: the contract's fields but the pooling ones, which come from ``tasks``;
         ``kv_capacity_tokens`` defaults to the blocks times their size."""
         facts.setdefault("kv_capacity_tokens", facts["num_kv_blocks"] * facts["block_size"])
+        if facts.get("max_logprobs") == -1:  # --max-logprobs -1: as many as the vocabulary
+            facts["max_logprobs"] = facts["vocab_size"]
         tasks = tasks or ModelTasks()
         return cls(
             supported_tasks=tasks.supported_tasks,

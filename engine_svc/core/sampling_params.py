@@ -28,6 +28,11 @@ class StructuredOutputParams:
     the given strings, ``grammar`` for a text of an EBNF grammar whose start rule is ``root``.
     Only the shape is checked here; whether the schema, expression or grammar compiles is found
     out by the engine (``engine_svc.structured_output``).
+
+    ``reasoning_end_token_ids`` (the ids of ``</think>``, for an output that begins in
+    reasoning): the constraint applies only after their first occurrence in the output, as vLLM
+    applies it with a reasoning parser. Empty: from the first output token. Not part of ``key``:
+    the compiled grammar is the same.
     """
 
     json_schema: str | dict[str, Any] | None = None
@@ -35,6 +40,7 @@ class StructuredOutputParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
@@ -79,6 +85,14 @@ class StructuredOutputParams:
                 _short(self.choice),
             )
             object.__setattr__(self, "choice", choice)
+        end = self.reasoning_end_token_ids
+        _check(
+            isinstance(end, (list, tuple)) and all(_is_int(t) and t >= 0 for t in end),
+            "structured_output.reasoning_end_token_ids",
+            "must be a list of token ids",
+            _short(end),
+        )
+        object.__setattr__(self, "reasoning_end_token_ids", tuple(end))
 
     @property
     def kind(self) -> str:
@@ -237,11 +251,12 @@ class SamplingParams:
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
+            if value is not None:  # max_logprobs -1: no limit but the vocabulary's
+                most = self.max_logprobs if self.max_logprobs >= 0 else None
                 _check(
-                    _is_int(value) and 0 <= value <= self.max_logprobs,
+                    _is_int(value) and 0 <= value and (most is None or value <= most),
                     name,
-                    f"must be in [0, {self.max_logprobs}] (the server's max_logprobs)",
+                    f"must be in [0, {most}] (the server's max_logprobs)",
                     value,
                 )
         _check(
@@ -312,6 +327,12 @@ class SamplingParams:
             ("logit_bias", list(self.logit_bias or ())),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("bad_words_token_ids", [t for w in self.bad_words_token_ids or [] for t in w]),
+            (
+                "structured_output.reasoning_end_token_ids",
+                list(self.structured_output.reasoning_end_token_ids)
+                if self.structured_output is not None
+                else [],
+            ),
         )
         for name, ids in named:
             bad = sorted({t for t in ids if t >= vocab_size})

@@ -92,6 +92,7 @@ class SchedulerStats:
     # With LoRA adapters: requests per adapter name, running and waiting (vLLM's figures).
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    num_waiting_deferred: int = 0  # of num_waiting: grammar compiling or no LoRA slot (vLLM's)
 
 
 class _WaitingQueue:
@@ -172,6 +173,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._num_preemptions = 0
         self._compiling: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, in arrival order
+        self._lora_deferred = 0  # waiting requests the last step stepped over for a LoRA slot
         self._errors: list[tuple[str, Exception]] = []  # failed since the last take_errors()
 
     # ------------------------------------------------------------------ requests in and out
@@ -343,6 +345,7 @@ class Scheduler:
             budget -= num_new
         for request in reversed(stepped_over):
             self.waiting.add(request, front=True)
+        self._lora_deferred = sum(r.status is RequestStatus.WAITING for r in stepped_over)
 
         out = SchedulerOutput(
             scheduled=scheduled,
@@ -430,6 +433,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions,
+            num_waiting_deferred=min(len(self.waiting), len(self._compiling) + self._lora_deferred),
         )
         if self.lora is not None:
             stats.running_lora_adapters = _per_adapter(self.running)

@@ -32,6 +32,7 @@ def load_after(load: LoadFigures, s: SchedulerStats) -> LoadFigures:
         load.num_preemptions + s.num_preemptions,
         _names(s.running_lora_adapters),
         _names(s.waiting_lora_adapters),
+        num_waiting_deferred=s.num_waiting_deferred,
     )
 
 
@@ -48,6 +49,7 @@ def load_with_gauges(load: LoadFigures, s: SchedulerStats) -> LoadFigures:
         load.num_preemptions,
         _names(s.running_lora_adapters),
         _names(s.waiting_lora_adapters),
+        num_waiting_deferred=s.num_waiting_deferred,
     )
 
 

@@ -56,16 +56,17 @@ def sampling_params(sp: EngineSamplingParams, max_logprobs: int) -> SamplingPara
 def structured_output(so: StructuredOutput | None) -> StructuredOutputParams | None:
     if so is None:
         return None
+    end = so.reasoning_end_token_ids
     if so.kind == "choice":
-        return StructuredOutputParams(choice=so.choices)
+        return StructuredOutputParams(choice=so.choices, reasoning_end_token_ids=end)
     if so.kind == "json_object":
-        return StructuredOutputParams(json_object=True)
+        return StructuredOutputParams(json_object=True, reasoning_end_token_ids=end)
     if so.kind == "regex":
-        return StructuredOutputParams(regex=so.spec)
+        return StructuredOutputParams(regex=so.spec, reasoning_end_token_ids=end)
     if so.kind == "grammar":
-        return StructuredOutputParams(grammar=so.spec)
+        return StructuredOutputParams(grammar=so.spec, reasoning_end_token_ids=end)
     if so.kind == "json_schema":
-        return StructuredOutputParams(json_schema=so.spec)
+        return StructuredOutputParams(json_schema=so.spec, reasoning_end_token_ids=end)
     raise ValueError(f"structured_output has an unknown kind {so.kind!r}")
 
 

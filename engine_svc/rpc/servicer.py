@@ -311,7 +311,12 @@ class EngineServicer(LoRARpcs, UtilityRpcs, pb_grpc.EngineServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
         return model_info_to_pb(
-            replace(self.info, model_source=str(self.model_dir), engine_version=self.version)
+            replace(
+                self.info,
+                model_source=str(self.model_dir),
+                engine_version=self.version,
+                model_type=_model_type(self.model_dir),
+            )
         )
 
     async def GetTokenizer(  # noqa: N802
@@ -362,6 +367,21 @@ def _status_code(e: Exception) -> grpc.StatusCode:
     if isinstance(e, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+def _model_type(model_dir: Path) -> str:
+    """The checkpoint's config.json ``model_type`` (its text config's for a multimodal one, as
+    vLLM's ``hf_text_config``); "" when there is none."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(config, dict):
+        return ""
+    text = config.get("text_config")
+    found = text.get("model_type") if isinstance(text, dict) else None
+    found = found or config.get("model_type")
+    return found if isinstance(found, str) else ""
 
 
 def _chat_template(model_dir: Path) -> str:

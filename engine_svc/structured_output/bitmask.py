@@ -8,7 +8,8 @@ matchers on the host, applied to the logits in place before the sampler sees the
 
 A forbidden token's logit becomes -inf, so temperature, penalties, top-k/top-p and min-p all
 work on the constrained distribution, and logprobs report it. A step without constrained rows
-never gets here.
+never gets here; a row whose output is still in its reasoning (``RequestGrammar.constraining``
+False) is left out, like a free row.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class GrammarBitmask:
         """Mask ``logits[rows[i]]`` with what ``grammars[i]`` allows next, in place."""
         import xgrammar as xgr
 
+        if not all(g.constraining for g in grammars):
+            active = [(r, g) for r, g in zip(rows, grammars, strict=True) if g.constraining]
+            if not active:
+                return
+            rows, grammars = [r for r, _ in active], [g for _, g in active]
         host = self._host_buffer()
         for row, grammar in zip(rows, grammars, strict=True):
             grammar.fill_bitmask(host, row)

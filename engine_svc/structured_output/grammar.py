@@ -4,10 +4,21 @@ The matcher is the constraint's state over the tokens generated so far. It is ad
 ``accept`` with each newly sampled token, so it has always accepted exactly the request's output
 tokens, whatever the engine does with the KV cache (a preempted request recomputes its tokens
 without sampling them again, and its matcher is left as it is).
+
+With a reasoning end (the ids of ``</think>``), the output begins in reasoning and the
+constraint waits for it to end, as vLLM's structured outputs wait with a reasoning parser::
+
+    output    <think> I  should  answer  </think>  {  "a"  :  1  }  <eos>
+    matcher   -       -  -       -       -         {  "a"  :  1  }  <eos>
+    bitmask   none (free sampling) ................ from here on, the grammar's
+
+The matcher accepts exactly the tokens after the first occurrence of the end sequence; until
+then ``constraining`` is False, the bitmask leaves the row alone and the text cannot terminate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +35,18 @@ class RequestGrammar:
     """The grammar of one request. ``future`` resolves to an ``xgrammar.CompiledGrammar`` or
     raises ``GrammarError``."""
 
-    def __init__(self, kind: str, future: Future[Any]) -> None:
+    def __init__(
+        self, kind: str, future: Future[Any], reasoning_end: Sequence[int] = ()
+    ) -> None:
+        """``reasoning_end``: the token ids whose first occurrence in the output ends the
+        reasoning, after which the constraint applies; empty: it applies from the start."""
         self.kind = kind
         self.future = future
         self._matcher: Any = None  # xgrammar.GrammarMatcher, made once the grammar is compiled
-        self.num_accepted = 0
+        self.num_accepted = 0  # output tokens seen: those of the reasoning, then the matcher's
+        self._reasoning_end = tuple(reasoning_end)
+        self._recent: list[int] = []  # the reasoning's last len(reasoning_end) tokens
+        self.constraining = not self._reasoning_end
 
     def ready(self) -> bool:
         """Whether the grammar is compiled (its matcher is made then); never blocks. Raises the
@@ -44,17 +62,35 @@ class RequestGrammar:
         return True
 
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False when the grammar does not allow it."""
-        if not self._matcher.accept_token(token_id):
+        """Advance past a sampled token; False when the grammar does not allow it. A token of
+        the reasoning is always allowed and only watched for the reasoning's end."""
+        if not self.constraining:
+            self._watch_reasoning(token_id)
+        elif not self._matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
         return True
 
+    def _watch_reasoning(self, token_id: int) -> None:
+        end, recent = self._reasoning_end, self._recent
+        recent.append(token_id)
+        if len(recent) > len(end):
+            del recent[0]
+        if len(recent) == len(end) and tuple(recent) == end:
+            self.constraining = True
+            self._recent = []
+
     @property
     def is_terminated(self) -> bool:
         """The text is complete and its end (an EOS token) has been accepted."""
-        return bool(self._matcher is not None and self._matcher.is_terminated())
+        return bool(
+            self.constraining and self._matcher is not None and self._matcher.is_terminated()
+        )
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (1 bit per token, 1 = allowed)."""
+        """Write the tokens allowed next into ``bitmask[row]`` (1 bit per token, 1 = allowed):
+        every token while the reasoning lasts."""
+        if not self.constraining:
+            bitmask[row].fill_(-1)  # all 32 bits of every word set
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)

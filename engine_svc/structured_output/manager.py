@@ -92,7 +92,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)  # a request still holding its future keeps it
         else:
             self._cache.move_to_end(key)
-        return RequestGrammar(params.kind, future)
+        return RequestGrammar(params.kind, future, params.reasoning_end_token_ids)
 
     def wait_for_any(self, timeout_s: float) -> bool:
         """Block until a compilation in flight finishes or ``timeout_s`` passes; False at once

@@ -190,21 +190,28 @@ def _shown(v: object) -> str:
 
 
 @dataclass(frozen=True)
-class AtMostServer:
-    """An integer at most the server's figure ``key`` (given in the validation context; e.g.
-    the engine's max_logprobs), which the schema cannot state."""
-
-    key: str
+class LogprobCount:
+    """A number of logprobs: at most the server's ``max_logprobs`` (given in the validation
+    context), or -1 for the whole vocabulary (vLLM's), read as the context's ``vocab_size`` and
+    allowed only when ``max_logprobs`` reaches it (the engine's ``--max-logprobs -1``)."""
 
     def __get_pydantic_core_schema__(
         self, source: Any, handler: GetCoreSchemaHandler
     ) -> CoreSchema:
-        key = self.key
-
         def check(v: int, info: ValidationInfo) -> int:
-            limit = (info.context or {}).get(key)
+            context = info.context or {}
+            limit, vocab = context.get("max_logprobs"), context.get("vocab_size")
+            if v == -1:
+                if vocab is None or (limit is not None and limit < vocab):
+                    raise problem(
+                        "may be -1 (the whole vocabulary) only when the server is started with "
+                        f"--max-logprobs -1; this server returns at most {limit}"
+                    )
+                return int(vocab)
             if limit is not None and v > limit:
-                raise problem(f"must be at most {limit} (this server's {key}), got {_shown(v)}")
+                raise problem(
+                    f"must be at most {limit} (this server's max_logprobs), got {_shown(v)}"
+                )
             return v
 
         return core_schema.with_info_after_validator_function(check, handler(source))

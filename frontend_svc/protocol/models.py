@@ -25,13 +25,13 @@ from frontend_svc.protocol.base import NOT_NULL, RequestModel, given, problem
 from frontend_svc.protocol.fields import (
     INT32_MAX,
     UINT32_MAX,
-    AtMostServer,
     Bool,
     Float,
     Float32Range,
     InRange,
     Int,
     LogitBias,
+    LogprobCount,
     Says,
     StringList,
     TokenId,
@@ -62,7 +62,8 @@ BadWords = Annotated[
     tuple[str, ...],
     StringList(MAX_BAD_WORDS, MAX_BAD_WORD_CHARS, "words", non_blank=True, unique=True),
 ]
-Logprobs = Annotated[Int, InRange(0), AtMostServer("max_logprobs")]
+# -1: the whole vocabulary, where the server's --max-logprobs allows it (vLLM's).
+Logprobs = Annotated[Int, InRange(-1), LogprobCount()]
 Penalty = Annotated[Float, Float32Range(-2.0, 2.0)]
 MaxTokens = Annotated[Int, InRange(1)]
 

@@ -27,9 +27,12 @@ from frontend_svc.protocol.requests import (
 from protos.types import EngineSamplingParams, StructuredOutput
 
 
-def parse_completion(body: object, max_logprobs: int) -> CompletionRequest:
-    """``max_logprobs``: the engine's limit for ``logprobs`` and ``prompt_logprobs``."""
-    b = validate(CompletionBody, body, {"max_logprobs": max_logprobs})
+def parse_completion(
+    body: object, max_logprobs: int, vocab_size: int | None = None
+) -> CompletionRequest:
+    """``max_logprobs``: the engine's limit for ``logprobs`` and ``prompt_logprobs``; -1 asks
+    for the whole vocabulary (``vocab_size``; None: refused)."""
+    b = validate(CompletionBody, body, {"max_logprobs": max_logprobs, "vocab_size": vocab_size})
     # Shown as choices[].prompt_logprobs: the ones asked for, or with echo those of the echoed
     # prompt (vLLM's rule); echoed prompt tokens carry logprobs too (OpenAI).
     shown = prompt_logprobs = b.prompt_logprobs
@@ -49,10 +52,13 @@ def parse_completion(body: object, max_logprobs: int) -> CompletionRequest:
     )
 
 
-def parse_chat(body: object, max_logprobs: int, auto_tools: bool = False) -> ChatRequest:
+def parse_chat(
+    body: object, max_logprobs: int, auto_tools: bool = False, vocab_size: int | None = None
+) -> ChatRequest:
     """``auto_tools``: the server reads tool calls the model chose to make (tool_choice "auto");
-    without it a request with tools must choose "none", "required" or a function."""
-    context = {"max_logprobs": max_logprobs, "auto_tools": auto_tools}
+    without it a request with tools must choose "none", "required" or a function. -1 logprobs
+    ask for the whole vocabulary (``vocab_size``; None: refused)."""
+    context = {"max_logprobs": max_logprobs, "auto_tools": auto_tools, "vocab_size": vocab_size}
     b = validate(ChatBody, body, context)
     max_tokens = b.max_tokens if b.max_completion_tokens is None else b.max_completion_tokens
     logprobs = (b.top_logprobs or 0) if b.logprobs else None

@@ -119,17 +119,15 @@ class ReasoningParser:
         tokenizer: Tokenizer,
         prompt_ids: Sequence[int],
         template_kwargs: Mapping[str, Any],
-        constrained: bool,
     ) -> RequestReasoning:
-        """How this request's output is split. It begins in reasoning unless ``constrained``
-        (a structured-output constraint covers the whole output: it is all content), the
-        template kwargs turn thinking off, or the prompt already ended the reasoning
-        (:func:`prompt_ends_reasoning`)."""
+        """How this request's output is split. It begins in reasoning unless the template
+        kwargs turn thinking off or the prompt already ended the reasoning
+        (:func:`prompt_ends_reasoning`). A structured-output constraint then applies after the
+        reasoning (``RequestReasoning.end_ids`` go to the engine with it), as vLLM's does."""
         start_ids = tuple(tokenizer.encode(self.start_tag, add_special_tokens=False))
         end_ids = tuple(tokenizer.encode(self.end_tag, add_special_tokens=False))
         active = (
-            not constrained
-            and self.thinking_enabled(template_kwargs)
+            self.thinking_enabled(template_kwargs)
             and not prompt_ends_reasoning(
                 prompt_ids, start_ids, end_ids, tokenizer.special_token_ids
             )

@@ -106,7 +106,7 @@ async def _create_message(request: Request) -> Response:
         run,
     )
     deltas = generate(
-        state, reply.id, [run.prompt], req.sampling, run.kept_ids, lora_name=lora or ""
+        state, reply.id, [run.prompt], run.sampling, run.kept_ids, lora_name=lora or ""
     )
     if req.stream:
         return await _stream(request, deltas, reply)

@@ -54,7 +54,7 @@ from frontend_svc.routes.common import (
 from frontend_svc.routes.sse import ClientDisconnected, until_disconnected
 from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.text.tokenizer import Tokenizer
-from frontend_svc.tool_parsers import ToolCallStream, ToolParser
+from frontend_svc.tool_parsers import RANDOM_IDS, CallIds, ToolCallStream, ToolParser
 
 _S = TypeVar("_S")
 
@@ -62,7 +62,8 @@ _S = TypeVar("_S")
 async def create_chat_completion(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
-    req = await parse_body(request, parse_chat, info.max_logprobs, state.tool_parser is not None)
+    auto = state.tool_parser is not None
+    req = await parse_body(request, parse_chat, info.max_logprobs, auto, info.vocab_size)
     lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
     require_task(info, req.model, "generate", "chat completions (/v1/chat/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))
@@ -77,6 +78,7 @@ async def create_chat_completion(request: Request) -> Response:
         run.parser,
         list(prepared.token_ids),
         run.reasoning,
+        run.call_ids,
     )
     if req.sampling.use_beam_search:
         logprobs = req.logprobs or req.sampling.engine.prompt_logprobs is not None
@@ -95,7 +97,7 @@ async def create_chat_completion(request: Request) -> Response:
             return JSONResponse(ctx.response(await until_disconnected(request, search)))
         except ClientDisconnected:
             return Response(status_code=499)
-    deltas = generate(state, ctx.id, [prepared], req.sampling, kept, lora_name=lora or "")
+    deltas = generate(state, ctx.id, [prepared], run.sampling, kept, lora_name=lora or "")
     if req.stream:
         usage_chunk = ctx.usage_chunk if req.options.include_usage else None
         return await stream_sse(request, deltas, ctx.chunks, usage_chunk, ctx.text_event)
@@ -116,9 +118,11 @@ class _Context:
         parser: ToolParser | None,
         prompt_ids: list[int],
         reasoning: RequestReasoning | None = None,
+        call_ids: CallIds = RANDOM_IDS,
     ) -> None:
         """``reasoning``: the server's reasoning parser as this request uses it (None: the
-        server has none, and answers carry no reasoning fields)."""
+        server has none, and answers carry no reasoning fields); ``call_ids``: how its tool
+        calls are named."""
         self.req = req
         self.tok = tokenizer
         self.prompt_ids = prompt_ids
@@ -129,6 +133,7 @@ class _Context:
         self.model = model
         self.created = int(time.time())
         self.parser = parser
+        self.call_ids = call_ids
         self._streams: dict[int, ToolCallStream] = {}  # per choice index, while it streams
         self.reasoning = reasoning
         self._splitting = reasoning is not None and reasoning.active
@@ -245,7 +250,8 @@ class _Context:
             if text:
                 delta["content"] = text
             return delta, False
-        stream = _per_choice(self._streams, d.index, final, self.parser.stream)
+        parser, ids = self.parser, self.call_ids
+        stream = _per_choice(self._streams, d.index, final, lambda: parser.open(ids))
         out = stream.feed(text, final=final)
         if out.content:
             delta["content"] = out.content
@@ -307,7 +313,7 @@ class _Context:
         if self.reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
         if self.parser is not None and content is not None:
-            extracted = self.parser.extract(content)
+            extracted = self.parser.extract(content, self.call_ids)
             # parallel_tool_calls false: at most one call (enforced by the schema for "required").
             calls = extracted.calls if self.req.tools.parallel_tool_calls else extracted.calls[:1]
             if self.req.tools.choice in ("required", "function"):

@@ -48,7 +48,7 @@ _UNASKED = {"prompt_logprobs": None, "prompt_token_ids": None, "token_ids": None
 async def create_completion(request: Request) -> Response:
     state = gateway(request)
     tokenizer, info = state.require_engine()
-    req = await parse_body(request, parse_completion, info.max_logprobs)
+    req = await parse_body(request, parse_completion, info.max_logprobs, info.vocab_size)
     lora = await state.resolve_model(req.model)  # the LoRA adapter it names, if any
     require_task(info, req.model, "generate", "completions (/v1/completions)")
     req = replace(req, options=with_server_defaults(state, req.options, req.stream))

@@ -94,7 +94,7 @@ class ResponsesApi:
         model = lora or state.served_model_name or req.model
         builder = ResponseBuilder(response_id, model, req.echo, output, run.reasoning)
         deltas = generate(
-            state, response_id, [run.prompt], chat.sampling, run.kept_ids, lora_name=lora or ""
+            state, response_id, [run.prompt], run.sampling, run.kept_ids, lora_name=lora or ""
         )
 
         def keep(response: dict[str, Any]) -> None:

@@ -6,7 +6,9 @@ Grafana dashboard, KEDA triggers and alerts work unchanged. Every series has vLL
 vLLM has an engine index). Where the figures come from:
 
 * engine load (``num_requests_running`` / ``waiting``, KV usage) arrives with every engine
-  message; its cumulative figures (prefix cache, preemptions) are turned into counter increments,
+  message (``num_requests_waiting_by_reason``: the waiting ones split into ``capacity`` and
+  ``deferred``, those the engine steps over for now: a grammar compiling, no LoRA slot); its
+  cumulative figures (prefix cache, preemptions) are turned into counter increments,
   starting over when an engine restarts;
 * token counts (``prompt_tokens``, ``generation_tokens``, ``iteration_tokens_total``) are
   counted as vLLM's front end counts its engine's outputs: a request's prompt once, with its
@@ -88,6 +90,7 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 # vllm:cache_config_info's labels besides model_name and engine (vLLM's CacheConfig names).
 CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
 LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+WAITING_REASONS = ("capacity", "deferred")  # vllm:num_requests_waiting_by_reason's
 
 
 def observe_many(histogram: Histogram, amount: float, times: int) -> None:
@@ -140,6 +143,12 @@ class Metrics:
         )
         self.waiting = gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.waiting_by_reason = gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of requests waiting to be processed, by reason: capacity (not yet "
+            "scheduled for want of room) or deferred (held back by a transient constraint).",
+            [*per_engine, "reason"],
         )
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
@@ -337,6 +346,8 @@ class Metrics:
         if engine not in self._last:  # no load yet: the engine's gauges start at zero (vLLM)
             for gauge in self._load_gauges:
                 self.child(gauge, m, engine).set(0)
+            for why in WAITING_REASONS:
+                self.child(self.waiting_by_reason, m, engine, why).set(0)
 
     def observe_load(self, engine: str, load: LoadFigures) -> None:
         """Every engine message. A gauge is written only when its figure changed (most steps
@@ -350,6 +361,13 @@ class Metrics:
             child(self.running, m, engine).set(load.num_running)
         if fresh or load.num_waiting != last.num_waiting:
             child(self.waiting, m, engine).set(load.num_waiting)
+        if fresh or (load.num_waiting, load.num_waiting_deferred) != (
+            last.num_waiting,
+            last.num_waiting_deferred,
+        ):
+            deferred = min(load.num_waiting, load.num_waiting_deferred)
+            child(self.waiting_by_reason, m, engine, "capacity").set(load.num_waiting - deferred)
+            child(self.waiting_by_reason, m, engine, "deferred").set(deferred)
         if fresh or load.kv_cache_usage != last.kv_cache_usage:
             child(self.kv_usage, m, engine).set(load.kv_cache_usage)
             child(self.gpu_cache_usage, m, engine).set(load.kv_cache_usage)
@@ -419,6 +437,8 @@ class Metrics:
         model = self._gauge_model.pop(engine, self.model_name)
         for gauge in self._load_gauges:
             self._drop(gauge, (model, engine))
+        for reason in WAITING_REASONS:
+            self._drop(self.waiting_by_reason, (model, engine, reason))
         info = self._cache_info.pop(engine, None)
         if info is not None:
             self._drop(self.cache_info, info)
@@ -437,6 +457,8 @@ class Metrics:
             if old is not None:
                 for gauge in self._load_gauges:
                     self._drop(gauge, (old, engine))
+                for reason in WAITING_REASONS:
+                    self._drop(self.waiting_by_reason, (old, engine, reason))
             self._gauge_model[engine] = m
         return m
 

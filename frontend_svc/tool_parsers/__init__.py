@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from frontend_svc.tool_parsers.base import (
+    RANDOM_IDS,
+    CallIds,
     ExtractedToolCalls,
     StreamDelta,
     ToolCall,
@@ -45,7 +47,9 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 __all__ = [
+    "RANDOM_IDS",
     "TOOL_PARSER_NAMES",
+    "CallIds",
     "ExtractedToolCalls",
     "NamedFunctionParser",
     "RequiredCallsParser",

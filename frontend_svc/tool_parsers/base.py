@@ -31,6 +31,39 @@ def make_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+# Models whose calls vLLM names "functions.NAME:INDEX" (the format their chat template reads
+# back): config.json's model_type, as vLLM's get_tool_call_id_type decides.
+KIMI_K2_MODEL_TYPES = ("kimi_k2", "kimi_k25")
+
+
+@dataclass(frozen=True)
+class CallIds:
+    """How one request's tool calls are named: random ``chatcmpl-tool-...`` ids, or for Kimi-K2
+    ``functions.NAME:INDEX`` where INDEX counts on from the calls already in the conversation
+    (vLLM's ``make_tool_call_id`` with ``get_history_tool_calls_cnt``)."""
+
+    kimi_k2: bool = False
+    first_index: int = 0  # tool calls the conversation's assistant messages already made
+
+    @classmethod
+    def of(cls, model_type: str, messages: Iterable[dict[str, Any]]) -> CallIds:
+        if model_type not in KIMI_K2_MODEL_TYPES:
+            return RANDOM_IDS
+        made = sum(
+            len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant"
+        )
+        return cls(True, made)
+
+    def __call__(self, name: str, index: int) -> str:
+        """The id of the output's ``index``-th call, to ``name``."""
+        if self.kimi_k2:
+            return f"functions.{name}:{self.first_index + index}"
+        return make_tool_call_id()
+
+
+RANDOM_IDS = CallIds()
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str
@@ -113,7 +146,10 @@ def _coalesce(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
 
 
 class ToolCallStream(ABC):
-    """Per-sequence streaming state. Feed every text delta; pass ``final=True`` with the last."""
+    """Per-sequence streaming state. Feed every text delta; pass ``final=True`` with the last.
+    ``call_ids`` names the calls (set by ``ToolParser.open``)."""
+
+    call_ids: CallIds = RANDOM_IDS
 
     def __init__(self, *, strict: bool = False) -> None:
         self._strict = strict
@@ -163,7 +199,7 @@ class ToolCallStream(ABC):
 
     def _announce(self, name: str) -> None:
         self._call_announced = True
-        self._send(ToolCallDelta(self._next_index, make_tool_call_id(), name))
+        self._send(ToolCallDelta(self._next_index, self.call_ids(name, self._next_index), name))
         self._next_index += 1
         if not self._strict:
             self._raw = None  # the unit can no longer turn into content
@@ -222,9 +258,15 @@ class ToolParser(ABC):
     @abstractmethod
     def stream(self, *, strict: bool = False) -> ToolCallStream: ...
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def open(self, ids: CallIds = RANDOM_IDS, *, strict: bool = False) -> ToolCallStream:
+        """``stream()`` naming its calls with ``ids``."""
+        stream = self.stream(strict=strict)
+        stream.call_ids = ids
+        return stream
+
+    def extract(self, text: str, ids: CallIds = RANDOM_IDS) -> ExtractedToolCalls:
         """Content and calls of a complete output; malformed markup stays content."""
-        out = self.stream(strict=True).feed(text, final=True)
+        out = self.open(ids, strict=True).feed(text, final=True)
         return ExtractedToolCalls(out.content or None, collect_tool_calls(out.tool_calls))
 
 

@@ -55,6 +55,20 @@ EVERY_FIELD = EngineSamplingParams(
         EngineSamplingParams(structured_output=StructuredOutput("choice", choices=("y", "n"))),
         EngineSamplingParams(structured_output=StructuredOutput("json_schema", spec="{}")),
         EngineSamplingParams(structured_output=StructuredOutput("grammar", spec='root ::= "a"')),
+        # Constrained after the reasoning: the end tag's ids travel with every kind.
+        EngineSamplingParams(
+            structured_output=StructuredOutput(
+                "json_schema", spec="{}", reasoning_end_token_ids=(151668,)
+            )
+        ),
+        EngineSamplingParams(
+            structured_output=StructuredOutput(
+                "choice", choices=("y",), reasoning_end_token_ids=(7, 8, 9)
+            )
+        ),
+        EngineSamplingParams(
+            structured_output=StructuredOutput("json_object", reasoning_end_token_ids=(0,))
+        ),
     ],
 )
 def test_a_generation_request_round_trips(params: EngineSamplingParams) -> None:
@@ -121,7 +135,7 @@ def test_an_output_round_trips() -> None:
 
 
 def test_load_model_info_adapters_and_error_codes_round_trip() -> None:
-    load = LoadFigures(3, 1, 0.5, 10, 4, 2, ("a",), ("b", "c"))
+    load = LoadFigures(3, 1, 0.5, 10, 4, 2, ("a",), ("b", "c"), num_waiting_deferred=1)
     assert convert.load_from_pb(convert.load_to_pb(load)) == load
     info = ModelInfo(
         served_model_name="m",
@@ -143,6 +157,7 @@ def test_load_model_info_adapters_and_error_codes_round_trip() -> None:
         labels=(),
         max_loras=4,
         max_lora_rank=16,
+        model_type="kimi_k2",
     )
     assert convert.model_info_from_pb(convert.model_info_to_pb(info)) == info
     adapter = LoraAdapter("x", "/a/x", rank=8, pinned=True, on_device=True)

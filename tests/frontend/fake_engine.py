@@ -147,8 +147,12 @@ class FakeEngine:
         utility_rpcs: bool = True,
         lora_modules: dict[str, str] | None = None,
         profile_dir: str | None = None,
+        model_type: str = "",
+        max_logprobs: int = 5,
     ) -> None:
+        self.max_logprobs = max_logprobs
         self.tokenizer_dir = tokenizer_dir
+        self.model_type = model_type  # GetModelInfo's (config.json's "model_type")
         self.script = script_ids
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -566,7 +570,7 @@ class _Servicer(pb_grpc.EngineServicer):
             block_size=e.block_size,
             num_kv_blocks=64,
             kv_capacity_tokens=64 * e.block_size,
-            max_logprobs=5,
+            max_logprobs=e.max_logprobs,
             model_source="scripted fake engine",
             engine_version="fake-0",
             enable_prefix_caching=True,
@@ -577,6 +581,7 @@ class _Servicer(pb_grpc.EngineServicer):
             is_matryoshka=e.is_matryoshka,
             matryoshka_dimensions=e.matryoshka_dimensions,
             labels=e.labels,
+            model_type=e.model_type,
         )
 
     async def GetTokenizer(  # noqa: N802

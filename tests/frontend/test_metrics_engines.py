@@ -30,6 +30,7 @@ INFO = ModelInfo(
 GAUGES = {
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason",
     "vllm:kv_cache_usage_perc",
     "vllm:gpu_cache_usage_perc",
     "vllm:cache_config_info",
@@ -96,6 +97,28 @@ def test_load_is_labelled_per_engine_and_dropped_when_the_engine_leaves() -> Non
     assert "vllm:prefix_cache_hits_total" in left  # counters stay, as totals do
     assert value(m, "vllm:num_requests_running", **b) == 1
     m.forget_engine("never-seen:3")  # no error
+
+
+def test_waiting_is_split_by_reason_as_vllm_does() -> None:
+    """capacity + deferred = waiting: deferred are the ones the engine steps over for now (a
+    grammar compiling, no LoRA slot), the rest wait for room."""
+    m = Metrics("m")
+    a = {"model_name": "m", "engine": "a:1"}
+
+    def by_reason() -> tuple[float | None, float | None]:
+        name = "vllm:num_requests_waiting_by_reason"
+        return value(m, name, reason="capacity", **a), value(m, name, reason="deferred", **a)
+
+    m.observe_engine_info("a:1", INFO)
+    assert by_reason() == (0, 0)  # exported at zero from the start, as the other gauges
+    m.observe_load("a:1", LoadFigures(num_waiting=5, num_waiting_deferred=2))
+    assert by_reason() == (3, 2)
+    m.observe_load("a:1", LoadFigures(num_waiting=5, num_waiting_deferred=0))
+    assert by_reason() == (5, 0)  # waiting unchanged, the split changed: written again
+    m.observe_load("a:1", LoadFigures(num_waiting=1, num_waiting_deferred=4))
+    assert by_reason() == (0, 1)  # never more deferred than waiting
+    m.forget_engine("a:1")
+    assert by_reason() == (None, None)
 
 
 def test_gauges_follow_the_model_an_engine_serves() -> None:

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(30)
 VLLM_METRICS = {
     "vllm:num_requests_running": ("gauge", True),
     "vllm:num_requests_waiting": ("gauge", True),
+    "vllm:num_requests_waiting_by_reason": ("gauge", True),
     "vllm:kv_cache_usage_perc": ("gauge", True),
     "vllm:gpu_cache_usage_perc": ("gauge", True),
     "vllm:cache_config_info": ("gauge", True),
@@ -200,6 +201,8 @@ def test_an_engines_load_gauges_are_zero_before_its_first_request(
         "vllm:gpu_cache_usage_perc",
     ):
         assert m.get(name, **mine) == 0, name
+    for reason in ("capacity", "deferred"):
+        assert m.get("vllm:num_requests_waiting_by_reason", reason=reason, **mine) == 0
     assert m.get("vllm:request_params_n_count", model_name=MODEL_NAME) == 0
 
 

@@ -384,25 +384,66 @@ def test_an_earlier_turns_reasoning_does_not_end_this_ones(
 # -- structured outputs -------------------------------------------------------------------------
 
 
-def test_constrained_output_is_content(
+def sent_constraint(engine: FakeEngine) -> Any:
+    """The structured-output constraint of the engine's latest request."""
+    return engine.add_messages[engine.added[-1]].sampling_params.structured_output
+
+
+PERSON: Any = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_constraint_applies_after_the_reasoning(
     gateways: dict[Flags, GatewayServer], engine: FakeEngine, hf_tok: HFTokenizer
 ) -> None:
-    """The engine applies a constraint from the first token, so the output is the answer: it
-    must not be read as (unfinished) reasoning."""
-    script(engine, hf_tok, '{"city": "Paris"}')
+    """As vLLM with a reasoning parser: the engine gets the end tag's ids with the constraint
+    (it constrains only what follows), and the gateway splits the reasoning off the JSON."""
+    import jsonschema
+
+    end_ids = [token_id(hf_tok, "</think>")]
+    script(engine, hf_tok, f'<think>{THOUGHT}</think>{{"city": "Paris"}}')
     gateway = gateways["qwen3", None]
-    fields: Any = {"response_format": {"type": "json_object"}}
+    schema = {"name": "person", "schema": PERSON}
+    fields: Any = {"response_format": {"type": "json_schema", "json_schema": schema}}
     body = post(gateway, **fields)
+    assert list(sent_constraint(engine).reasoning_end_token_ids) == end_ids
+    assert json.loads(sent_constraint(engine).json_schema) == PERSON
+    message = body["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == THOUGHT
+    jsonschema.validate(json.loads(message["content"]), PERSON)
+    assert reasoning_tokens(body["usage"]) > 0
+    streamed = joined(sse(gateway, **fields))
+    assert streamed["reasoning"] == THOUGHT and json.loads(streamed["content"]) == {"city": "Paris"}
+    # tool_choice "required" is a constraint too: its calls follow the reasoning.
+    call = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    script(engine, hf_tok, f"<think>{THOUGHT}</think>{call}")
+    fields = {"tools": [WEATHER], "tool_choice": "required"}
+    choice = post(gateway, **fields)["choices"][0]
+    assert list(sent_constraint(engine).reasoning_end_token_ids) == end_ids
+    assert calls_of(choice["message"]) == [("get_weather", {"city": "Oslo"})]
+    assert choice["message"]["reasoning"] == THOUGHT and choice["finish_reason"] == "tool_calls"
+
+
+def test_constraint_without_reasoning_applies_from_the_start(
+    gateways: dict[Flags, GatewayServer], engine: FakeEngine, hf_tok: HFTokenizer
+) -> None:
+    """Thinking off (or no reasoning parser): the constraint covers the whole output, which is
+    all content."""
+    script(engine, hf_tok, '{"city": "Paris"}')
+    fields: Any = {"response_format": {"type": "json_object"}}
+    off: Any = {"chat_template_kwargs": {"enable_thinking": False}}
+    body = post(gateways["qwen3", None], **fields, **off)
+    assert list(sent_constraint(engine).reasoning_end_token_ids) == []
     message = body["choices"][0]["message"]
     assert message["content"] == '{"city": "Paris"}' and message["reasoning"] is None
     assert reasoning_tokens(body["usage"]) == 0
-    assert joined(sse(gateway, **fields))["content"] == '{"city": "Paris"}'
-    # tool_choice "required" is a constraint too: the calls' JSON is read as calls.
-    script(engine, hf_tok, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
-    fields = {"tools": [WEATHER], "tool_choice": "required"}
-    choice = post(gateway, **fields)["choices"][0]
-    assert calls_of(choice["message"]) == [("get_weather", {"city": "Oslo"})]
-    assert choice["message"]["reasoning"] is None and choice["finish_reason"] == "tool_calls"
+    body = post(gateways[None, None], **fields)
+    assert list(sent_constraint(engine).reasoning_end_token_ids) == []
+    assert body["choices"][0]["message"]["content"] == '{"city": "Paris"}'
 
 
 # -- the openai SDK -----------------------------------------------------------------------------

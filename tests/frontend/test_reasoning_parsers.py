@@ -213,8 +213,8 @@ def test_output_begins_in_reasoning_unless_the_prompt_closed_it(
 ) -> None:
     parser = get_reasoning_parser(name)
 
-    def active(ids: list[int], constrained: bool = False, **kwargs: object) -> bool:
-        return parser.for_request(tokenizer, ids, kwargs, constrained).active
+    def active(ids: list[int], **kwargs: object) -> bool:
+        return parser.for_request(tokenizer, ids, kwargs).active
 
     assert active(prompt(tokenizer, USER))
     # An earlier turn's </think> does not count: the last turn starts with <|im_start|>.
@@ -228,8 +228,6 @@ def test_output_begins_in_reasoning_unless_the_prompt_closed_it(
     # ... and one continued inside its reasoning stays reasoning.
     continued = [*USER, {"role": "assistant", "content": "<think>\nHmm, let"}]
     assert active(prompt(tokenizer, continued, continue_final_message=True))
-    # A structured-output constraint covers the whole output: all content.
-    assert not active(prompt(tokenizer, USER), constrained=True)
 
 
 def test_enable_thinking_false_turns_qwen3_off_even_where_the_template_ignores_it(
@@ -237,15 +235,15 @@ def test_enable_thinking_false_turns_qwen3_off_even_where_the_template_ignores_i
 ) -> None:
     ids = prompt(tokenizer, USER)  # rendered without the flag: the prompt leaves thinking open
     off = {"enable_thinking": False}
-    assert not get_reasoning_parser("qwen3").for_request(tokenizer, ids, off, False).active
-    assert get_reasoning_parser("qwen3").for_request(tokenizer, ids, {}, False).active
+    assert not get_reasoning_parser("qwen3").for_request(tokenizer, ids, off).active
+    assert get_reasoning_parser("qwen3").for_request(tokenizer, ids, {}).active
     # deepseek_r1, as vLLM's, reads no template kwargs: only the prompt says it.
-    assert get_reasoning_parser("deepseek_r1").for_request(tokenizer, ids, off, False).active
+    assert get_reasoning_parser("deepseek_r1").for_request(tokenizer, ids, off).active
 
 
 def test_an_inactive_request_splits_nothing(tokenizer: Tokenizer) -> None:
     ids = prompt(tokenizer, USER, enable_thinking=False)
-    reasoning = get_reasoning_parser("qwen3").for_request(tokenizer, ids, {}, False)
+    reasoning = get_reasoning_parser("qwen3").for_request(tokenizer, ids, {})
     text = "Hmm</think>Hi"
     assert reasoning.split(text) == (None, text)
     assert reasoning.split("") == (None, "")
@@ -283,7 +281,7 @@ def test_prompt_ends_reasoning_reads_back_to_the_turn(
 
 
 def test_reasoning_tokens_are_those_before_the_end_tag_less_the_tags(tokenizer: Tokenizer) -> None:
-    reasoning = get_reasoning_parser("qwen3").for_request(tokenizer, [], {}, False)
+    reasoning = get_reasoning_parser("qwen3").for_request(tokenizer, [], {})
     (start,), (end,) = reasoning.start_ids, reasoning.end_ids  # one token each, as in Qwen3
 
     def ids(text: str) -> list[int]:
@@ -302,7 +300,7 @@ def test_reasoning_tokens_are_those_before_the_end_tag_less_the_tags(tokenizer: 
 def test_reasoning_tokens_with_tags_that_are_several_tokens(tmp_path: Path) -> None:
     hf = HFTokenizer.from_file(str(build_tiny_tokenizer(tmp_path) / "tokenizer.json"))
     tokenizer = Tokenizer(hf, SpecialTokens("<|bos|>", "<|eos|>"), None)
-    reasoning = get_reasoning_parser("deepseek_r1").for_request(tokenizer, [], {}, False)
+    reasoning = get_reasoning_parser("deepseek_r1").for_request(tokenizer, [], {})
     assert len(reasoning.end_ids) > 1 and len(reasoning.start_ids) > 1
     thought = [7, 8, 9]
     out = [*reasoning.start_ids, *thought, *reasoning.end_ids, 7]

@@ -466,3 +466,65 @@ def test_parser_markers_survive_skip_special_tokens(tokenizer_dir: Path, special
     processor = OutputProcessor(tokenizer, [0], [], False, True, 0, 0, kept_special_ids=kept)
     text = "".join(processor.process(EngineOutput("r", (t,))).text for t in ids)
     assert text == HERMES_CALL  # the markers kept, <|im_end|> still dropped
+
+
+# -- Kimi-K2's call ids -------------------------------------------------------------------------
+
+
+def test_kimi_k2_calls_are_named_functions_name_index(
+    tool_tokenizer_dir: Path, hf_tok: HFTokenizer
+) -> None:
+    """vLLM names a kimi_k2 model's calls ``functions.NAME:INDEX`` (config.json's model_type,
+    which the engine reports), INDEX counting on from the calls already in the conversation;
+    other models' ids stay random."""
+    engine = FakeEngine(
+        tool_tokenizer_dir,
+        [0],
+        vocab_size=hf_tok.get_vocab_size(),
+        max_model_len=2048,
+        step_s=0.001,
+        model_type="kimi_k2",
+    )
+    engine.start()
+    gateway = GatewayServer(
+        engine.address, tool_call_parser="hermes", enable_auto_tool_choice=True
+    ).start()
+    try:
+        gateway.wait_healthy()
+        client = openai.OpenAI(
+            base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=10
+        )
+        time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+        script(engine, hf_tok, HERMES_CALL + time_call)
+        r = chat(client, tools=TOOLS)
+        ids = [c.id for c in r.choices[0].message.tool_calls]
+        assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+        earlier = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        }
+        result = {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sun"}
+        messages = [*USER, earlier, result]
+        r = chat(client, tools=TOOLS, messages=messages)
+        assert [c.id for c in r.choices[0].message.tool_calls] == [
+            "functions.get_weather:1",
+            "functions.get_time:2",
+        ]
+        pieces = [
+            piece.id
+            for chunk in chat(client, tools=TOOLS, messages=messages, stream=True)
+            for choice in chunk.choices
+            for piece in choice.delta.tool_calls or ()
+            if piece.id is not None
+        ]
+        assert pieces == ["functions.get_weather:1", "functions.get_time:2"]
+    finally:
+        gateway.stop()
+        engine.stop()

@@ -78,10 +78,15 @@ def test_request_ids_are_scoped_per_client_and_go_back_under_the_clients_own() -
 
 
 def test_load_figures_add_a_steps_counters_but_only_take_gauges_between_steps() -> None:
-    step = SchedulerStats(num_running=2, kv_cache_usage=0.5, prefix_cache_queries=10)
+    step = SchedulerStats(
+        num_running=2, num_waiting=3, num_waiting_deferred=1, kv_cache_usage=0.5,
+        prefix_cache_queries=10,
+    )  # fmt: skip
     load = load_after(load_after(LoadFigures(), step), step)
     assert (load.num_running, load.prefix_cache_queries) == (2, 20)
+    assert (load.num_waiting, load.num_waiting_deferred) == (3, 1)  # gauges: taken, not added
     idle = SchedulerStats(num_running=0, prefix_cache_queries=10)
     refreshed = load_with_gauges(load, idle)
     assert (refreshed.num_running, refreshed.kv_cache_usage) == (0, 0.0)
+    assert refreshed.num_waiting_deferred == 0
     assert refreshed.prefix_cache_queries == 20  # counted by the next step, not here

@@ -79,6 +79,22 @@ def test_stats_count_the_running_and_waiting_requests_per_adapter() -> None:
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ({}, {})
 
 
+def test_requests_stepped_over_for_a_slot_count_as_deferred() -> None:
+    """vllm:num_requests_waiting_by_reason: the waiting requests the last step stepped over
+    for want of a LoRA slot are "deferred", never more than are waiting."""
+    sched, reg = setup(max_loras=2)
+    for rid, lora in [("r1", "a"), ("r2", "b"), ("r3", "c"), ("r4", "d"), ("r5", None)]:
+        sched.add_request(req(reg, rid, lora))
+    assert sched.stats().num_waiting_deferred == 0  # not looked at yet: waiting for capacity
+    step(sched)
+    assert (sched.stats().num_waiting, sched.stats().num_waiting_deferred) == (2, 2)
+    sched.abort_requests(["r3"])
+    assert sched.stats().num_waiting_deferred == 1  # capped by those still waiting
+    sched.abort_requests(["r2"])  # a slot frees: r4 is admitted at the next step
+    step(sched)
+    assert (sched.stats().num_waiting, sched.stats().num_waiting_deferred) == (0, 0)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_the_waiting_queues_adapter_counts_stay_exact(policy: str) -> None:
     """The waiting queue counts its requests per adapter as they come and go (added, scheduled,

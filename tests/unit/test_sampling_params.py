@@ -184,3 +184,24 @@ def test_greedy_and_penalty_flags() -> None:
     assert SamplingParams(presence_penalty=0.1).has_penalties
     assert SamplingParams(frequency_penalty=-0.1).has_penalties
     assert SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+def test_max_logprobs_minus_one_means_the_whole_vocabulary() -> None:
+    """--max-logprobs -1 (vLLM's): no limit but the vocabulary's. GetModelInfo then reports
+    the vocabulary size, which is what lets a gateway accept -1 from a client."""
+    from engine_svc.core.model_info import ModelInfo
+
+    SamplingParams(logprobs=50_000, prompt_logprobs=151_936, max_logprobs=-1)
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
+        SamplingParams(logprobs=21)
+    facts: dict[str, object] = dict(
+        served_model_name="m",
+        max_model_len=64,
+        vocab_size=512,
+        eos_token_ids=(2,),
+        bos_token_id=None,
+        block_size=4,
+        num_kv_blocks=16,
+    )
+    assert ModelInfo.of(max_logprobs=-1, **facts).max_logprobs == 512
+    assert ModelInfo.of(max_logprobs=7, **facts).max_logprobs == 7

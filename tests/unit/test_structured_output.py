@@ -339,9 +339,12 @@ def test_request_waits_for_its_grammar_without_holding_up_others() -> None:
     assert [r.request_id for r in sched.waiting] == ["g"]  # g keeps its place
     assert g.num_computed_tokens == 0 and sched.kv.get_block_ids("g") == []
     assert _step(sched) == ["a", "b"]
+    stats = sched.stats()  # vllm:num_requests_waiting_by_reason: g waits "deferred"
+    assert (stats.num_waiting, stats.num_waiting_deferred) == (1, 1)
     grammar.is_ready = True
     assert _step(sched) == ["a", "b", "g"]
     assert g.status is RequestStatus.RUNNING and sched.num_waiting_for_grammar() == 0
+    assert sched.stats().num_waiting_deferred == 0
 
 
 def test_waiting_for_grammar_keeps_fcfs_order_among_the_others() -> None:

@@ -102,18 +102,20 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "reasoning_end_token_ids")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
     choice: Choices
     grammar: str
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    reasoning_end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., reasoning_end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -246,7 +248,7 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "running_lora_adapters", "waiting_lora_adapters")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "running_lora_adapters", "waiting_lora_adapters", "num_waiting_deferred")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class LoadStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -263,7 +266,8 @@ class LoadStats(_message.Message):
     num_preemptions: int
     running_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     waiting_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_waiting_deferred: int
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ..., num_waiting_deferred: _Optional[int] = ...) -> None: ...
 
 class EngineCoreOutputs(_message.Message):
     __slots__ = ("outputs", "errors", "load", "timestamp", "step_tokens")
@@ -298,7 +302,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "num_kv_blocks", "kv_capacity_tokens", "max_logprobs", "model_source", "engine_version", "enable_prefix_caching", "kv_cache_dtype", "supported_tasks", "embedding_size", "pooling_type", "is_matryoshka", "matryoshka_dimensions", "labels", "max_loras", "max_lora_rank")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "num_kv_blocks", "kv_capacity_tokens", "max_logprobs", "model_source", "engine_version", "enable_prefix_caching", "kv_cache_dtype", "supported_tasks", "embedding_size", "pooling_type", "is_matryoshka", "matryoshka_dimensions", "labels", "max_loras", "max_lora_rank", "model_type")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +324,7 @@ class GetModelInfoResponse(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -341,7 +346,8 @@ class GetModelInfoResponse(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     max_lora_rank: int
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., model_source: _Optional[str] = ..., engine_version: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    model_type: str
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., model_source: _Optional[str] = ..., engine_version: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
