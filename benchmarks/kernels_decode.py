@@ -44,13 +44,20 @@ HEAD_DIM = 128
 I32 = torch.int32  # the engine's block tables and lengths
 
 
+def decode_case(heads: tuple[int, int], lens: list[int], dtype: torch.dtype) -> tuple:
+    """(query, key cache, value cache, metadata, scale, bytes the kernel must move) of one
+    decode batch with contexts ``lens``."""
+    h, hkv = heads
+    case = make_case([1] * len(lens), lens, h, hkv, HEAD_DIM, dtype, index_dtype=I32)
+    esize = case.query.element_size()
+    moved = sum(lens) * hkv * HEAD_DIM * esize * 2 + 2 * case.query.numel() * esize
+    return case.query, case.key_cache, case.value_cache, case.meta, case.scale, moved
+
+
 def measure(heads: tuple[int, int], lens: list[int], dtype: torch.dtype, copy_bw: float) -> dict:
     h, hkv = heads
     batch = len(lens)
-    case = make_case([1] * batch, lens, h, hkv, HEAD_DIM, dtype, index_dtype=I32)
-    q, kc, vc, meta, scale = case.query, case.key_cache, case.value_cache, case.meta, case.scale
-    esize = q.element_size()
-    moved = sum(lens) * hkv * HEAD_DIM * esize * 2 + 2 * q.numel() * esize
+    q, kc, vc, meta, scale, moved = decode_case(heads, lens, dtype)
     parts = cuda_ops.decode_partitions(batch, h, hkv, max(lens), cuda_ops.num_sms(q.device))
     ws = cuda_ops.DecodeWorkspace(batch, h, HEAD_DIM, parts, q.device)
     out = torch.empty_like(q)
@@ -74,10 +81,7 @@ def sweep(heads: tuple[int, int], lens: list[int], dtype: torch.dtype, copy_bw: 
     """Every partition count x queries per block on one case (see the module's docstring)."""
     h, hkv = heads
     batch = len(lens)
-    case = make_case([1] * batch, lens, h, hkv, HEAD_DIM, dtype, index_dtype=I32)
-    q, kc, vc, meta, scale = case.query, case.key_cache, case.value_cache, case.meta, case.scale
-    esize = q.element_size()
-    moved = sum(lens) * hkv * HEAD_DIM * esize * 2 + 2 * q.numel() * esize
+    q, kc, vc, meta, scale, moved = decode_case(heads, lens, dtype)
     rule_p = cuda_ops.decode_partitions(batch, h, hkv, max(lens), cuda_ops.num_sms(q.device))
     rule_q = cuda_ops._queries_per_block(h // hkv)
     counts = sorted({1, 2, 4, 8, rule_p})

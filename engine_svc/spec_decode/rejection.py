@@ -74,27 +74,17 @@ def verify_greedy(
     return _emit(draft, accepted, final)
 
 
-def _exponential(
-    shape: tuple[int, ...], device: torch.device, generators: dict[int, torch.Generator]
+def _noise(
+    kind: str, shape: tuple[int, ...], device: torch.device, generators: dict[int, torch.Generator]
 ) -> torch.Tensor:
-    """Exp(1) noise [R, ...]: rows in ``generators`` from their own generator."""
-    q = torch.empty(shape, device=device)
+    """Uniform(0, 1) (``kind`` "uniform") or Exp(1) ("exponential") noise [R, ...]: rows in
+    ``generators`` from their own generator, the others from the global one."""
+    x = torch.empty(shape, device=device)
     if len(generators) < shape[0]:
-        q.exponential_()
+        getattr(x, f"{kind}_")()
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    return q
-
-
-def _uniform(
-    shape: tuple[int, ...], device: torch.device, generators: dict[int, torch.Generator]
-) -> torch.Tensor:
-    u = torch.empty(shape, device=device)
-    if len(generators) < shape[0]:
-        u.uniform_()
-    for row, gen in generators.items():
-        u[row].uniform_(generator=gen)
-    return u
+        getattr(x[row], f"{kind}_")(generator=gen)
+    return x
 
 
 def verify_sampled(
@@ -116,7 +106,7 @@ def verify_sampled(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, draft.unsqueeze(2)).squeeze(2)
-    u = _uniform((r, k), dev, generators) if k else p_draft
+    u = _noise("uniform", (r, k), dev, generators) if k else p_draft
     accept = u * q_draft < p_draft  # u < p / q without dividing by a zero q
     accepted = _accepted_prefix(accept, num_draft)
 
@@ -136,6 +126,6 @@ def verify_sampled(
         empty = residual.sum(dim=1, keepdim=True) <= 0
         residual = torch.where(empty, p_final, residual)
         p_final = torch.where(rejected.unsqueeze(1), residual, p_final)
-    noise = _exponential((r, v), dev, generators)
+    noise = _noise("exponential", (r, v), dev, generators)
     final = (p_final / noise).argmax(dim=1)
     return _emit(draft, accepted, final)
