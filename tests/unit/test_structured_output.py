@@ -18,7 +18,6 @@ from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
 from engine_svc.core.scheduler import Scheduler
-from engine_svc.default_model import build_tokenizer
 from engine_svc.structured_output import GrammarError, RequestGrammar, StructuredOutputManager
 from engine_svc.structured_output.bitmask import GrammarBitmask
 from engine_svc.structured_output.manager import (
@@ -27,11 +26,10 @@ from engine_svc.structured_output.manager import (
     json_schema_for_xgrammar,
 )
 from engine_svc.worker.sampler import Penalties, SamplingMetadata, sample
+from tests.unit.grammar_helpers import EOS, VOCAB, ready
 
 pytest.importorskip("xgrammar")
 
-VOCAB = 520  # the model's logits: wider than the 512-token tokenizer, as padded vocabularies are
-EOS = 2  # <|im_end|> in the default model's tokenizer
 PERSON = {
     "type": "object",
     "properties": {
@@ -42,24 +40,6 @@ PERSON = {
     "additionalProperties": False,
 }
 GRAMMAR = 'root ::= "(" digit ("+" digit)? ("+" digit)? ")"\ndigit ::= [0-9]'
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("so_tokenizer")
-    build_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def manager(tokenizer_dir: Path) -> StructuredOutputManager:
-    return StructuredOutputManager(tokenizer_dir, VOCAB, (EOS,))
-
-
-def _ready(grammar: RequestGrammar) -> RequestGrammar:
-    grammar.future.result(timeout=30)
-    assert grammar.ready()
-    return grammar
 
 
 def _decode(tokenizer_dir: Path, ids: list[int]) -> str:
@@ -114,7 +94,7 @@ def test_manager_compiles_once_per_spec(tokenizer_dir: Path) -> None:
     a2 = m.grammar_for(StructuredOutputParams(regex="[ab]+"))
     assert a1.future is a2.future and m.num_compiled == 1  # shared while compiling, too
     assert a1 is not a2  # ... but every request has its own matcher
-    _ready(a1), _ready(a2)
+    ready(a1), ready(a2)
     m.grammar_for(StructuredOutputParams(regex="[cd]+"))
     m.grammar_for(StructuredOutputParams(regex="[ab]+"))  # a hit makes it the newest
     assert m.num_compiled == 2
@@ -182,7 +162,7 @@ def test_choice_grammar_escapes_every_choice(manager: StructuredOutputManager) -
 
     choices = ['say "hi"', "back\\slash", "two\nlines", "tab\there", "café 🙂", "\x01", ""]
     assert choice_grammar(["a", 'b"']) == 'root ::= "a" | "b\\""'
-    grammar = _ready(manager.grammar_for(StructuredOutputParams(choice=choices)))
+    grammar = ready(manager.grammar_for(StructuredOutputParams(choice=choices)))
     compiled = grammar.future.result()
     for text in [*choices, "say hi"]:
         matcher = xgr.GrammarMatcher(compiled)
@@ -199,7 +179,7 @@ def test_length_bounded_strings_keep_control_characters_out(
     assert rewritten["properties"]["name"] == {"type": "string", "pattern": "^[\\s\\S]{0,6}$"}
     untouched = {"type": "string", "maxLength": 3, "enum": ["ab"], "default": {"maxLength": 1}}
     assert json_schema_for_xgrammar(json.dumps(untouched)) == json.dumps(untouched)
-    grammar = _ready(manager.grammar_for(StructuredOutputParams(json_schema=PERSON)))
+    grammar = ready(manager.grammar_for(StructuredOutputParams(json_schema=PERSON)))
     for name, ok in (("abc", True), ("a\x10b", False), ("a\tb", False), ("abcdefg", False)):
         matcher = xgr.GrammarMatcher(grammar.future.result())
         text = '{"name": "' + name + '", "age": 7}'
@@ -212,7 +192,7 @@ def test_string_lengths_count_characters_not_bytes(manager: StructuredOutputMana
     import xgrammar as xgr
 
     schema = {"type": "string", "minLength": 2, "maxLength": 3}
-    grammar = _ready(manager.grammar_for(StructuredOutputParams(json_schema=schema)))
+    grammar = ready(manager.grammar_for(StructuredOutputParams(json_schema=schema)))
     for text, ok in (
         ("ab", True),
         ("abc", True),
@@ -255,7 +235,7 @@ def test_hostile_repetition_bounds_compile_without_hanging(
     minutes or gigabytes (xgrammar keeps the counts, it does not unroll them), and constrain."""
     import xgrammar as xgr
 
-    grammar = _ready(manager.grammar_for(params))
+    grammar = ready(manager.grammar_for(params))
     assert xgr.GrammarMatcher(grammar.future.result()).accept_string(good)
     assert not xgr.GrammarMatcher(grammar.future.result()).accept_string(bad)
 
@@ -266,7 +246,7 @@ def test_matcher_follows_the_tokens_and_terminates_on_eos(
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    grammar = _ready(manager.grammar_for(StructuredOutputParams(regex=r"ab?c")))
+    grammar = ready(manager.grammar_for(StructuredOutputParams(regex=r"ab?c")))
     for t in tok.encode("ac", add_special_tokens=False).ids:
         assert grammar.accept(t)
     assert not grammar.is_terminated  # complete, but its end not yet accepted
@@ -438,7 +418,7 @@ def test_recompute_after_preemption_does_not_advance_the_matcher_again() -> None
 
 
 def _allowed(manager: StructuredOutputManager, regex: str) -> tuple[RequestGrammar, set[int]]:
-    grammar = _ready(manager.grammar_for(StructuredOutputParams(regex=regex)))
+    grammar = ready(manager.grammar_for(StructuredOutputParams(regex=regex)))
     logits = torch.zeros(1, VOCAB)
     GrammarBitmask(1, VOCAB, torch.device("cpu")).apply(logits, [0], [grammar])
     return grammar, set(torch.nonzero(logits[0].isfinite()).flatten().tolist())

@@ -16,11 +16,10 @@ from engine_svc.core.request import RequestStatus
 from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
 from engine_svc.structured_output import RequestGrammar, StructuredOutputManager
 from engine_svc.structured_output.bitmask import GrammarBitmask
+from tests.unit.grammar_helpers import EOS, VOCAB, ready
 
 pytest.importorskip("xgrammar")
 
-VOCAB = 520
-EOS = 2
 # Small enough for greedy output of the random model to close it within max_tokens.
 ANSWER = {
     "type": "object",
@@ -30,28 +29,8 @@ ANSWER = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_svc.default_model import build_tokenizer
-
-    d = tmp_path_factory.mktemp("so_reasoning_tokenizer")
-    build_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def manager(tokenizer_dir: Path) -> StructuredOutputManager:
-    return StructuredOutputManager(tokenizer_dir, VOCAB, (EOS,))
-
-
-def _ready(grammar: RequestGrammar) -> RequestGrammar:
-    grammar.future.result(timeout=30)
-    assert grammar.ready()
-    return grammar
-
-
 def _digits(manager: StructuredOutputManager, end: tuple[int, ...]) -> RequestGrammar:
-    return _ready(manager.grammar_for(StructuredOutputParams(regex="[0-9]+", **_end(end))))
+    return ready(manager.grammar_for(StructuredOutputParams(regex="[0-9]+", **_end(end))))
 
 
 def _end(end: tuple[int, ...]) -> dict[str, Any]:
