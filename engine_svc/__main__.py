@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on CUDA (torch if CuPy is missing or their start-up check fails)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=EngineConfig.tensor_parallel_size,
+        metavar="N",
+        help="shard the model over N processes, one device each (vLLM's flag; on the CPU the "
+        "ranks share its cores); 1: one process (default %(default)s)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="never capture CUDA graphs: every step runs the model eagerly",
@@ -311,6 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         tls = TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         lora_config = _lora_config(args)
         _cuda_graph_sizes(args)
+        if args.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
+            )
         kv_cache_memory = _kv_cache_memory(args)
         chat_template = (
             None if args.chat_template is None else read_chat_template(args.chat_template)
@@ -362,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             cuda_graph_sizes=_cuda_graph_sizes(args),
+            tensor_parallel_size=args.tensor_parallel_size,
             lora=lora_config,
             profile_dir=args.profile_dir,
         )

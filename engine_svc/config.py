@@ -122,12 +122,19 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Where StartProfile / StopProfile write torch profiler traces; None: profiling is off.
     profile_dir: str | None = None
+    # Tensor-parallel ranks (vLLM's --tensor-parallel-size): the model sharded over this many
+    # processes, one device each (engine_svc.executor). 1: the in-process model runner.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
                 raise ValueError(f"cuda_graph_sizes must be positive integers, got {sizes!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
         if self.attention_backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "

@@ -23,6 +23,7 @@ from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from engine_svc.executor import make_model_runner
 from engine_svc.lora.adapter import LoRAAdapter
 from engine_svc.lora.errors import LoRADisabledError, LoRANotFoundError
 from engine_svc.lora.manager import LoRAManager
@@ -31,7 +32,7 @@ from engine_svc.models.loader import read_hf_config
 from engine_svc.models.tasks import checkpoint_kind, model_tasks
 from engine_svc.profiler import EngineProfiler
 from engine_svc.structured_output.manager import StructuredOutputManager
-from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
+from engine_svc.worker.model_runner import ModelRunnerOutput
 from engine_svc.worker.sleep_mode import check_sleep_level
 from protos.types import FinishReason
 
@@ -54,7 +55,8 @@ class EngineCore:
                     f"max_position_embeddings {max_len}"
                 )
             max_len = config.model.max_model_len
-        self.runner = ModelRunner(config, max_len)
+        # The in-process runner, or the tensor-parallel executor with the same surface.
+        self.runner = make_model_runner(config, max_len)
         layout = self.runner.layout
         if layout.num_tokens < max_len:
             # A request longer than the whole cache could never finish: it would preempt itself

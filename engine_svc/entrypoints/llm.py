@@ -99,6 +99,7 @@ class LLM(PoolingMixin):
         pad_decode_batches: bool | None = EngineConfig.pad_decode_batches,
         enforce_eager: bool = EngineConfig.enforce_eager,
         cuda_graph_sizes: int | Sequence[int] | None = None,
+        tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
         seed: int = ModelConfig.seed,
         served_model_name: str | None = None,
         pooling_type: str | None = ModelConfig.pooling_type,
@@ -166,6 +167,7 @@ class LLM(PoolingMixin):
             pad_decode_batches=pad_decode_batches,
             enforce_eager=enforce_eager,
             cuda_graph_sizes=_graph_sizes(cuda_graph_sizes),
+            tensor_parallel_size=tensor_parallel_size,
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             profile_dir=str(profile_dir) if profile_dir is not None else envs.profile_dir(),
         )

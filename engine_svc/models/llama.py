@@ -18,6 +18,12 @@ slots of the stacked adapter weights, and a step's ``LoRAMapping`` (which slot e
 built by the model runner) is passed down with the attention metadata; the adapters' deltas are
 added to the linears' outputs (``engine_svc.lora.ops``). A step with no adapter token passes
 None and runs exactly the base model.
+
+Tensor parallelism: built with a ``TPGroup`` of more than one rank, the model holds this rank's
+shard (``models/parallel.py``: column-parallel q/k/v and gate/up, row-parallel o and down with
+one all-reduce each, the vocabulary split over ranks) and loads only that slice of each
+checkpoint tensor. Built with ``SINGLE`` (the default) it is the unsharded model, layer for
+layer.
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine_svc.distributed import SINGLE, TPGroup, all_reduce
 from engine_svc.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from engine_svc.models.parallel import (
+    CheckpointTensor,
+    ShardPlan,
+    read_cut,
+    row_parallel_linear,
+    vocab_embedding,
+    vocab_lm_head,
+)
 from kernels import reference_norm_rope
 from kernels.attention_backends import Kernels, TorchAttention
 from kernels.attention_metadata import AttentionMetadata
@@ -105,25 +120,46 @@ class DecoderSpec:
             qk_norm=family == "Qwen3",
         )
 
+    def shard_plan(self, tp: TPGroup) -> ShardPlan:
+        """This rank's share of the model over ``tp`` (all of it for ``SINGLE``)."""
+        return ShardPlan.build(
+            tp,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.vocab_size,
+        )
+
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, kernels: Kernels) -> None:
+    """``plan``: this rank's heads (None: all of them, one process)."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rotary: RotaryEmbedding,
+        kernels: Kernels,
+        plan: ShardPlan | None = None,
+    ) -> None:
         super().__init__()
+        plan = plan or spec.shard_plan(SINGLE)
+        self.tp = plan.tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
+            plan.num_heads,
+            plan.num_kv_heads,
             spec.head_dim,
         )
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = self.num_heads * spec.head_dim
+        self.kv_size = self.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, spec.o_bias)
+        self.o_proj = row_parallel_linear(self.q_size, spec.hidden_size, spec.o_bias, plan)
         norm = kernels.rms_norm
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, norm) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, norm) if spec.qk_norm else None
         self.rotary = rotary  # shared by every layer: one cos/sin table per model
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, kernels.attention
+            self.num_heads, self.num_kv_heads, spec.head_dim, kernels.attention
         )
         # q/k norm, rotary and the KV-cache write in one kernel (CUDA); None: torch ops.
         self._fused_prologue = kernels.qk_norm_rope_kv
@@ -157,7 +193,7 @@ class Attention(nn.Module):
         y = self.o_proj(out)
         if lora is not None and self.o_lora is not None:
             self.o_lora.apply(y, out, lora)
-        return y
+        return all_reduce(y, self.tp)  # row-parallel: the ranks' partial sums
 
     def _fused(
         self, qkv: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata
@@ -190,18 +226,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
+    """``plan``: this rank's share of the intermediate size (None: all of it, one process)."""
+
+    def __init__(self, spec: DecoderSpec, kernels: Kernels, plan: ShardPlan | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
+        plan = plan or spec.shard_plan(SINGLE)
+        self.tp = plan.tp
+        inter = plan.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, spec.mlp_bias)
+        self.down_proj = row_parallel_linear(inter, spec.hidden_size, spec.mlp_bias, plan)
         self._silu_and_mul = kernels.silu_and_mul
         self.gate_up_lora: LoRALinearStack | None = None  # set by attach_lora
         self.down_lora: LoRALinearStack | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         # Over the projection's own output: no temporaries of [tokens, intermediate].
+        # Row-parallel down_proj: the ranks' partial sums are all-reduced.
         if lora is None:
-            return self.down_proj(self._silu_and_mul(self.gate_up_proj(x)))
+            return all_reduce(self.down_proj(self._silu_and_mul(self.gate_up_proj(x))), self.tp)
         gate_up = self.gate_up_proj(x)
         if self.gate_up_lora is not None:
             self.gate_up_lora.apply(gate_up, x, lora)
@@ -209,14 +251,16 @@ class MLP(nn.Module):
         y = self.down_proj(h)
         if self.down_lora is not None:
             self.down_lora.apply(y, h, lora)
-        return y
+        return all_reduce(y, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, kernels: Kernels) -> None:
+    def __init__(
+        self, spec: DecoderSpec, rotary: RotaryEmbedding, kernels: Kernels, plan: ShardPlan
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, rotary, kernels)
-        self.mlp = MLP(spec, kernels)
+        self.self_attn = Attention(spec, rotary, kernels, plan)
+        self.mlp = MLP(spec, kernels, plan)
         eps, norm, fused = spec.rms_norm_eps, kernels.rms_norm, kernels.fused_add_rms_norm
         self.input_layernorm = RMSNorm(spec.hidden_size, eps, norm, fused)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, norm, fused)
@@ -257,30 +301,32 @@ class LlamaForCausalLM(nn.Module):
         kernels: Kernels | None = None,
         lm_head: bool = True,
         num_labels: int = 0,
+        tp: TPGroup = SINGLE,
     ) -> None:
         """``kernels``: the engine's choice (``select_kernels``); the torch references if None.
-        ``lm_head``: build the language-model head; ``num_labels``: build a classifier head."""
+        ``lm_head``: build the language-model head; ``num_labels``: build a classifier head.
+        ``tp``: the tensor-parallel group whose rank's shard this model holds."""
         super().__init__()
         kernels = kernels or Kernels(TorchAttention(), reference_norm_rope.rms_norm)
         self.spec = spec
+        self.plan = spec.shard_plan(tp)
         self._fused_prologue = kernels.qk_norm_rope_kv is not None
         # Weights are uninitialised until load_weights (the loader builds this on the meta device):
         # an explicit empty weight skips nn.Embedding's normal_ init, whose first call on the meta
         # device imports torch._dynamo and sympy (~1.2 s, ~70 MB).
-        embed = torch.empty(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=embed)
+        self.embed_tokens = vocab_embedding(self.plan, spec.hidden_size)
         # One rotary table for all layers: per layer it cost num_layers x max_positions x
         # head_dim x 8 bytes (~1 GiB for Qwen3-0.6B at 40,960 positions).
         self.rotary_emb = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, self.rotary_emb, kernels) for _ in range(spec.num_layers)
+            DecoderLayer(spec, self.rotary_emb, kernels, self.plan) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(
             spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm, kernels.fused_add_rms_norm
         )
         self.lm_head: nn.Linear | None = None
         if lm_head:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = vocab_lm_head(self.plan, spec.hidden_size)
             if spec.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
         self.score: nn.Linear | None = None
@@ -308,6 +354,8 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_lora(self, weights: LoRAWeights) -> None:
         """Give each adaptable linear its slots of the stacked LoRA weights (once, at start)."""
+        if self.plan.tp.size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
         for layer, stacks in zip(self.layers, weights.layers, strict=True):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.qkv_lora = stacks["qkv_proj"]
@@ -324,10 +372,13 @@ class LlamaForCausalLM(nn.Module):
         assert self.score is not None, "this model has no classifier head"
         return self.score(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters, casting each to
         the parameter's dtype on the copy. Every parameter must be provided: a missing tensor is
-        an error, so none is left uninitialised (a tied lm_head is the embedding)."""
+        an error, so none is left uninitialised (a tied lm_head is the embedding).
+
+        A sharded model copies its rank's slice of each tensor; given ``TensorSlice``s
+        (``loader.iter_safetensor_slices``) it reads only that slice from the file."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -340,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
 
     def _load_one(
-        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+        self, params: dict[str, nn.Parameter], name: str, tensor: CheckpointTensor
     ) -> str | None:
         """Copy one checkpoint tensor; its loaded key (``name#shard`` if fused), None if skipped."""
         name = name.removeprefix("model.")
@@ -356,11 +407,18 @@ class LlamaForCausalLM(nn.Module):
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
         param = params[name]
+        label = name if shard is None else f"{name}[{shard}]"
+        dst = param if shard is None else _shard_view(param, name, shard, self.plan)
+        cut = self.plan.checkpoint_cut(name, shard)
         with torch.no_grad():
-            if shard is None:
-                _copy(param, tensor, name)
+            if cut is None:
+                _copy(dst, tensor if isinstance(tensor, torch.Tensor) else tensor[:], label)
             else:
-                _copy(_shard_view(param, name, shard, self.spec), tensor, f"{name}[{shard}]")
+                src = read_cut(tensor, cut, label)
+                if src.shape[0] < dst.shape[0]:  # vocabulary padding: rows no token reaches
+                    dst[src.shape[0] :].zero_()
+                    dst = dst[: src.shape[0]]
+                _copy(dst, src, label)
         return name if shard is None else f"{name}#{shard}"
 
     def _expected_names(self) -> list[str]:
@@ -375,12 +433,13 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
-def _shard_view(param: torch.Tensor, name: str, shard: int, spec: DecoderSpec) -> torch.Tensor:
+def _shard_view(param: torch.Tensor, name: str, shard: int, plan: ShardPlan) -> torch.Tensor:
+    """Part ``shard`` of a fused parameter (this rank's sizes): q | k | v, or gate | up."""
     if ".qkv_proj." in name:
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q, kv = plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim
         sizes = [q, kv, kv]
     else:
-        sizes = [spec.intermediate_size, spec.intermediate_size]
+        sizes = [plan.intermediate_size, plan.intermediate_size]
     start = sum(sizes[:shard])
     return param.narrow(0, start, sizes[shard])
 

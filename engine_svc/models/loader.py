@@ -11,7 +11,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine_svc.distributed import SINGLE, TPGroup
 from engine_svc.models.llama import DecoderSpec, LlamaForCausalLM
+from engine_svc.models.parallel import TensorSlice
 from engine_svc.models.tasks import SUPPORTED_ARCHITECTURES, architecture_of, checkpoint_kind
 from kernels.attention_backends import Kernels
 
@@ -19,6 +21,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "architecture_of",
     "checkpoint_dtype",
+    "iter_safetensor_slices",
     "iter_safetensors",
     "load_model",
     "read_hf_config",
@@ -43,6 +46,25 @@ def checkpoint_dtype(model_dir: str | Path) -> str | None:
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, sharded (model.safetensors.index.json) or not."""
+    for path in _safetensors_files(model_dir):
+        # safe_open maps the file: its pages count in RSS while it is open (file-backed and
+        # reclaimable), but nothing is copied until a tensor is asked for.
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def iter_safetensor_slices(model_dir: str | Path) -> Iterator[tuple[str, TensorSlice]]:
+    """Every tensor of the checkpoint as a slice not read yet (``safe_open(...).get_slice``),
+    valid until the next one is asked for: a tensor-parallel rank indexes it to read its own
+    rows or columns only."""
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_slice(name)
+
+
+def _safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -52,12 +74,7 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
         paths = sorted(model_dir.glob("*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    for path in paths:
-        # safe_open maps the file: its pages count in RSS while it is open (file-backed and
-        # reclaimable), but nothing is copied until a tensor is asked for.
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+    return paths
 
 
 def load_model(
@@ -66,8 +83,10 @@ def load_model(
     device: torch.device,
     max_positions: int,
     kernels: Kernels | None = None,
+    tp: TPGroup = SINGLE,
 ) -> LlamaForCausalLM:
-    """Build the model for ``model_dir`` with its parameters in ``dtype`` on ``device``.
+    """Build the model for ``model_dir`` with its parameters in ``dtype`` on ``device``; with a
+    tensor-parallel group of more than one rank, this rank's shard of it.
 
     Never builds a float32 copy first: the model is constructed on the meta device (no memory,
     no random init), each parameter is then allocated empty in ``dtype`` on ``device``, and the
@@ -75,18 +94,23 @@ def load_model(
     about the weights in ``dtype`` plus one checkpoint tensor (the mapped checkpoint file comes
     on top, as page cache). The rotary tables are computed in float32 on
     ``device``. A parameter the checkpoint does not provide is an error, never left uninitialised.
+    A rank of a sharded model reads only its slice of each sharded tensor from the file.
     """
     cfg = read_hf_config(model_dir)
     kind = checkpoint_kind(model_dir, cfg)
     spec = DecoderSpec.from_hf_config(cfg, kind.arch)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions, kernels, kind.lm_head, kind.num_labels)
+        model = LlamaForCausalLM(spec, max_positions, kernels, kind.lm_head, kind.num_labels, tp)
     _materialise_empty(model, dtype, device)
     model.rotary_emb.init_tables(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left on the meta device after materialising: {left[:8]}")
-    model.load_weights(iter_safetensors(model_dir))  # raises if the checkpoint misses any
+    # raises if the checkpoint misses any
+    if tp.size == 1:
+        model.load_weights(iter_safetensors(model_dir))
+    else:
+        model.load_weights(iter_safetensor_slices(model_dir))
     return model.eval()
 
 

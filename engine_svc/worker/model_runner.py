@@ -30,6 +30,7 @@ from engine_svc import envs
 from engine_svc.config import EngineConfig, KVCacheLayout
 from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine_svc.distributed import SINGLE, TPGroup, min_over_ranks  # TP (issue 33)
 from engine_svc.lora.adapter import ModelDims
 from engine_svc.lora.manager import LoRAManager
 from engine_svc.lora.ops import LoRAMapping
@@ -71,8 +72,9 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int, tp: TPGroup = SINGLE) -> None:
         self.config = config
+        self.tp = tp  # TP (issue 33): the rank whose shard of the model this runner holds
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(
             config.model.dtype, self.device, checkpoint_dtype(config.model.model)
@@ -86,8 +88,8 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.kernels = self._select_kernels()
         self.model = load_model(
-            config.model.model, self.dtype, self.device, max_model_len, self.kernels
-        )
+            config.model.model, self.dtype, self.device, max_model_len, self.kernels, tp
+        )  # TP (issue 33): tp
         self.spec = self.model.spec
         self.pooler = Pooler(self.model)
         # LoRA slots are allocated before the KV cache, which takes what memory is left.
@@ -132,7 +134,7 @@ class ModelRunner:
         shape = (
             self.layout.num_blocks,
             self.block_size,
-            self.spec.num_kv_heads,
+            self.model.plan.num_kv_heads,  # TP (issue 33): this rank's KV heads
             self.spec.head_dim,
         )
         return [
@@ -192,9 +194,10 @@ class ModelRunner:
         """The attention backend (and norm) for this engine, chosen once here."""
         hf = read_hf_config(self.config.model.model)
         spec = DecoderSpec.from_hf_config(hf, architecture_of(hf))
+        plan = spec.shard_plan(self.tp)  # TP (issue 33): this rank's heads
         shape = DecodeShape(
-            spec.num_heads,
-            spec.num_kv_heads,
+            plan.num_heads,
+            plan.num_kv_heads,
             self.max_model_len,
             self.config.scheduler.max_num_seqs,
         )
@@ -261,7 +264,7 @@ class ModelRunner:
             2
             * self.spec.num_layers
             * self.block_size
-            * self.spec.num_kv_heads
+            * self.model.plan.num_kv_heads  # TP (issue 33): this rank's KV heads
             * self.spec.head_dim
             * elem
         )
@@ -272,6 +275,7 @@ class ModelRunner:
             if budget is None:
                 budget = self._default_kv_budget()
             num_blocks = budget // per_block
+        num_blocks = min_over_ranks(num_blocks, self.tp, self.device)  # TP (issue 33)
         if num_blocks < 1:
             raise ValueError(f"KV cache budget too small: one block needs {per_block} bytes")
         return KVCacheLayout(num_blocks, self.block_size, per_block)

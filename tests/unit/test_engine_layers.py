@@ -2,7 +2,9 @@
 
     __main__, rpc/, entrypoints/     the edges (gRPC server, offline LLM)
     loop/, engine_core.py            the busy loop and the orchestrator
+    executor/                        the runner(s) the orchestrator drives (tensor parallelism)
     worker/, models/, lora/, ...     what runs the model
+    distributed/                     process groups and collectives (tensor parallelism)
     core/                            CPU bookkeeping: scheduler, KV cache, requests (no torch)
 
 A folder never imports a layer above it. The exceptions are types, named under ``TYPE_CHECKING``
@@ -36,10 +38,17 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("engine_svc.structured_output", "engine_svc.config"),
     ),
     "worker": (ABOVE_WORKER, ()),
+    # process groups and collectives: below the model, which they know nothing of
+    "distributed": (
+        (*ABOVE_WORKER, "engine_svc.worker", "engine_svc.models", "engine_svc.lora"),
+        (),
+    ),
     "models": (ABOVE_WORKER, ()),
     "lora": (ABOVE_WORKER, ()),
     "structured_output": (ABOVE_WORKER, ()),
     "loop": (("engine_svc.rpc", "engine_svc.entrypoints"), ()),
+    # the runner(s) the engine core drives: beside it, below the loop and the edges
+    "executor": (ABOVE_WORKER, ()),
 }
 
 

@@ -18,12 +18,19 @@ def test_flags_reach_the_config() -> None:
     assert _cuda_graph_sizes(parse_args([])) is None
 
 
+def test_tensor_parallel_size_reaches_the_config() -> None:
+    assert parse_args([]).tensor_parallel_size == 1
+    assert parse_args(["-tp", "2"]).tensor_parallel_size == 2  # vLLM's short form
+    assert parse_args(["--tensor-parallel-size", "4"]).tensor_parallel_size == 4
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--cuda-graph-sizes", "8", "--max-cuda-graph-batch-size", "8"], "not both"),
         (["--cuda-graph-sizes", "0"], "at least 1"),
         (["--max-cuda-graph-batch-size", "-4"], "at least 1"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
     ],
 )
 def test_bad_graph_flags_exit_with_a_message(argv: list[str], message: str) -> None:

@@ -1,0 +1,220 @@
+"""The multi-process executor: one step run on ``size`` tensor-parallel ranks.
+
+Rank 0 is a ``ModelRunner`` in the engine process: the scheduler's live requests are its, and
+its results are the step's. Ranks 1..size-1 are worker processes (``worker_proc``), each
+owning one device and its share of the KV cache; each step's scheduler output goes to them over
+a pipe (``step_message``: what changed since the last step), then rank 0 runs it, the step's
+collectives keeping the ranks together::
+
+    EngineCore.step ─ schedule ─► MultiprocExecutor.execute ─┬─ pipe ─► worker 1: execute
+                                                             ├─ pipe ─► worker N-1: execute
+                                                             └────────► rank 0: execute ─► out
+
+The KV cache has the same number of blocks on every rank (the smallest any rank fits). A
+worker that dies is fatal: rank 0 would wait in a collective forever, so a watchdog thread ends
+the engine process at once with a message naming the worker (exit code 1) and takes the other
+workers with it; a worker whose engine is gone ends itself. The executor has the surface of a
+``ModelRunner`` that ``EngineCore`` uses.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from engine_svc.config import EngineConfig, KVCacheLayout
+from engine_svc.core.scheduler import SchedulerOutput
+from engine_svc.distributed import destroy_tensor_parallel, init_tensor_parallel
+from engine_svc.executor.step_message import StepEncoder
+from engine_svc.executor.worker_proc import cpu_threads, rank_device, worker_main
+from engine_svc.lora.manager import LoRAManager
+from engine_svc.models.llama import DecoderSpec
+from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+WORKER_DIED_EXIT_CODE = 1
+_READY_TIMEOUT_S = 600.0
+
+
+def exit_engine(message: str) -> None:
+    """What a dead worker does to the engine by default: say why, and exit non-zero now."""
+    logger.critical(message)
+    print(f"tandem engine: {message}", file=sys.stderr, flush=True)
+    os._exit(WORKER_DIED_EXIT_CODE)
+
+
+class MultiprocExecutor:
+    """``size`` tensor-parallel ranks behind the ``ModelRunner`` surface. ``on_worker_death``:
+    called (from the watchdog thread) with a message when a worker exits unasked."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        size: int,
+        on_worker_death: Callable[[str], None] = exit_engine,
+    ) -> None:
+        if size < 2:
+            raise ValueError(f"the multi-process executor needs at least 2 ranks, got {size}")
+        self.size = size
+        self._on_death = on_worker_death
+        self._closing = threading.Event()
+        self._store_dir = tempfile.mkdtemp(prefix="tandem-tp-")
+        init_method = f"file://{self._store_dir}/store"
+        ctx = mp.get_context("spawn")
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            args = (rank, size, init_method, config, max_model_len, theirs, os.getpid())
+            proc = ctx.Process(
+                target=worker_main, args=args, name=f"tandem-tp-rank{rank}", daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+        atexit.register(self.shutdown)  # before multiprocessing's own exit handler terminates them
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+        try:
+            self._start_rank0(config, max_model_len, init_method)
+        except BaseException:
+            self.shutdown()  # the workers fail too; their deaths are this error's, not news
+            raise
+        self._encoder = StepEncoder()
+        logger.info("tensor parallelism: %d ranks (workers %s)", size, self.worker_pids)
+
+    def _start_rank0(self, config: EngineConfig, max_model_len: int, init_method: str) -> None:
+        """Rank 0's runner, built beside the workers' (their start-up runs collectives)."""
+        device = rank_device(config, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(cpu_threads(self.size))
+        self.tp = init_tensor_parallel(0, self.size, init_method, device)
+        self.rank0 = ModelRunner(config, max_model_len, self.tp)
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(_READY_TIMEOUT_S):
+                raise TimeoutError(f"tensor-parallel rank {rank} did not start")
+            kind, blocks = conn.recv()
+            if kind != "ready" or blocks != self.rank0.layout.num_blocks:
+                raise RuntimeError(f"rank {rank} started with {blocks} KV blocks, rank 0 with "
+                                   f"{self.rank0.layout.num_blocks}")  # fmt: skip
+
+    # ------------------------------------------------------------------ what EngineCore reads
+    @property
+    def layout(self) -> KVCacheLayout:
+        return self.rank0.layout
+
+    @property
+    def spec(self) -> DecoderSpec:
+        return self.rank0.spec
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rank0.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.rank0.device
+
+    @property
+    def lora(self) -> LoRAManager | None:
+        return None  # LoRA is not served with tensor parallelism yet (the model refuses it)
+
+    @property
+    def sleep_level(self) -> int:
+        return self.rank0.sleep_level
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    # ------------------------------------------------------------------ one step
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if so.is_empty and not so.finished_ids and not so.preempted_ids:
+            return self.rank0.execute(so)  # nothing for the workers to know
+        msg = self._encoder.encode(so)  # refuses what the workers cannot mirror, before sending
+        for conn in self._conns:
+            conn.send(("step", msg))
+        return self.rank0.execute(so)
+
+    def sleep(self, level: int) -> None:
+        self._on_every_rank(("sleep", level), lambda: self.rank0.sleep(level))
+
+    def wake_up(self) -> None:
+        self._on_every_rank(("wake", None), self.rank0.wake_up)
+
+    def kv_cache_nbytes(self) -> int:
+        """Rank 0's KV cache (each rank holds as much)."""
+        return self.rank0.kv_cache_nbytes()
+
+    def _on_every_rank(self, command: tuple[str, object], local: Callable[[], None]) -> None:
+        # The workers first: waking up captures CUDA graphs, whose checks run collectives.
+        for conn in self._conns:
+            conn.send(command)
+        local()
+        for rank, conn in enumerate(self._conns, start=1):
+            kind, _ = conn.recv()
+            if kind != "ok":
+                raise RuntimeError(f"rank {rank} answered {kind!r} to {command[0]!r}")
+
+    # ------------------------------------------------------------------ lifetime
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        for conn in self._conns:
+            try:
+                conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
+        tp = getattr(self, "tp", None)  # None: start-up failed before joining the group
+        if tp is not None:
+            destroy_tensor_parallel(tp)
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        atexit.unregister(self.shutdown)
+
+    def _watch(self) -> None:
+        by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
+        ended = wait(list(by_sentinel))
+        if self._closing.is_set():
+            return
+        rank, proc = by_sentinel[ended[0]]  # type: ignore[index]
+        proc.join(1.0)
+        for other in self._procs:
+            if other is not proc and other.is_alive():
+                other.kill()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        self._on_death(
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+            f"{proc.exitcode}; the engine cannot run without it"
+        )
+
+
+def make_model_runner(config: EngineConfig, max_model_len: int) -> ModelRunner | MultiprocExecutor:
+    """The runner ``EngineCore`` drives: the in-process ``ModelRunner`` for one rank (the
+    default, with nothing of the executor in its path), else the multi-process executor."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(config, max_model_len)
+    return MultiprocExecutor(config, max_model_len, size)

@@ -1,0 +1,144 @@
+"""A tensor-parallel worker process: one rank's ``ModelRunner`` running the steps the engine
+sends it.
+
+The engine (rank 0) sends over a pipe::
+
+    ("step", StepMessage)    run it (no answer: the step's collectives keep the ranks in step,
+                             and rank 0's results are the step's)
+    ("sleep", level)         put the runner to sleep, answer ("ok", None)
+    ("wake", None)           wake it up, answer ("ok", None)
+    ("stop", None)           leave the group and exit 0
+
+After start-up it answers ("ready", number of KV blocks). Any error ends the process with a
+non-zero code, which the engine's watchdog sees; an engine that is gone (the pipe closes, or
+the process that started this one is no longer its parent) ends it too: no orphan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine_svc.config import EngineConfig
+from engine_svc.distributed import destroy_tensor_parallel, init_tensor_parallel
+from engine_svc.executor.step_message import RequestMirrors, StepMessage
+from engine_svc.worker.device import resolve_device
+from engine_svc.worker.input_batch import InputBatch
+from engine_svc.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 0.5
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device rank ``rank`` owns: GPU ``rank`` on CUDA, the CPU otherwise."""
+    device = resolve_device(config.device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def cpu_threads(size: int) -> int:
+    """Threads per rank when ``size`` ranks share this machine's CPUs."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def worker_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    config: EngineConfig,
+    max_model_len: int,
+    conn: Connection,
+    parent_pid: int,
+) -> None:
+    """The worker process's entry point (``multiprocessing`` spawn target)."""
+    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(message)s")
+    _exit_with_parent(parent_pid, init_method)
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cpu_threads(size))
+    tp = init_tensor_parallel(rank, size, init_method, device)
+    try:
+        runner = ModelRunner(config, max_model_len, tp)
+        conn.send(("ready", runner.layout.num_blocks))
+        _serve(runner, conn)
+    except EOFError:
+        logger.error("the engine closed its pipe: exiting")
+        _remove_store(init_method)
+        os._exit(1)
+    except BaseException:  # the engine dies of it too (its watchdog), perhaps before cleaning up
+        _remove_store(init_method)
+        raise
+    finally:
+        destroy_tensor_parallel(tp)
+
+
+def _serve(runner: ModelRunner, conn: Connection) -> None:
+    mirrors = RequestMirrors()
+    while True:
+        kind, arg = conn.recv()
+        if kind == "step":
+            assert isinstance(arg, StepMessage)
+            so = mirrors.decode(arg)
+            _take_rank0_tokens(runner.input_batch, arg, mirrors)
+            out = runner.execute(so)
+            mirrors.keep_prompt_logprobs(out.prompt_logprobs)  # type: ignore[arg-type]
+        elif kind == "sleep":
+            runner.sleep(int(arg))
+            conn.send(("ok", None))
+        elif kind == "wake":
+            runner.wake_up()
+            conn.send(("ok", None))
+        elif kind == "stop":
+            return
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
+def _take_rank0_tokens(batch: InputBatch, msg: StepMessage, mirrors: RequestMirrors) -> None:
+    """Rank 0 samples. This rank's runner sampled too, from the same gathered logits and alike
+    seeded random state, so its tokens are rank 0's; in case one is not (this rank could not
+    apply what rank 0 did, or its random state drifted), rank 0's tokens, which this step's
+    message brings, replace them before any is fed to the model::
+
+        batch.token_ids[row]   prompt ... | sampled by this rank at earlier steps |
+                                            └─ overwritten with msg's new_token_ids
+    """
+    for d in msg.scheduled:
+        row = batch.row_of.get(d.request_id)
+        if not d.new_token_ids or row is None:
+            continue
+        n = int(batch.num_tokens[row])
+        if n != mirrors.requests[d.request_id].num_tokens:
+            raise RuntimeError(
+                f"request {d.request_id}: this rank holds {n} tokens, rank 0 "
+                f"{mirrors.requests[d.request_id].num_tokens}"
+            )
+        batch.token_ids[row, n - len(d.new_token_ids) : n] = d.new_token_ids
+
+
+def _exit_with_parent(parent_pid: int, init_method: str) -> None:
+    """End this process as soon as the engine that started it is gone (even while a collective
+    blocks the main thread), removing the group's file store the engine could not."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        _remove_store(init_method)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _remove_store(init_method: str) -> None:
+    """The group's file store, which an engine that is gone could not remove."""
+    if init_method.startswith("file://"):
+        shutil.rmtree(os.path.dirname(init_method.removeprefix("file://")), ignore_errors=True)
