@@ -27,6 +27,7 @@ from engine_svc.model_source import (
     resolve_model,
     resolve_tokenizer,
 )
+from engine_svc.spec_decode.ngram import parse_speculative_config
 from protos.grpc_runtime import prefer_polling_io
 
 VERSION = "0.1.0"
@@ -122,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="shard the model over N processes, one device each (vLLM's flag; on the CPU the "
         "ranks share its cores); 1: one process (default %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding (vLLM\'s flag): \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\' '
+        "proposes up to 4 tokens a step from earlier occurrences of the context's last tokens; "
+        "outputs are the same as without it (greedy) or drawn from the same distribution",
     )
     p.add_argument(
         "--enforce-eager",
@@ -320,6 +330,13 @@ def main(argv: list[str] | None = None) -> None:
         tls = TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         lora_config = _lora_config(args)
         _cuda_graph_sizes(args)
+        speculative = (
+            None
+            if args.speculative_config is None
+            else parse_speculative_config(args.speculative_config)
+        )
+        if speculative is not None and args.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config does not run with --tensor-parallel-size yet")
         if args.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
@@ -376,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
             enforce_eager=args.enforce_eager,
             cuda_graph_sizes=_cuda_graph_sizes(args),
             tensor_parallel_size=args.tensor_parallel_size,
+            speculative=speculative,
             lora=lora_config,
             profile_dir=args.profile_dir,
         )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from engine_svc.lora.config import LoRAConfig
+from engine_svc.spec_decode.ngram import NgramConfig
 from kernels.attention_backends import BACKENDS
 
 if TYPE_CHECKING:  # the server imports grpc; python -m engine_svc must not before it starts
@@ -125,8 +126,13 @@ class EngineConfig:
     # Tensor-parallel ranks (vLLM's --tensor-parallel-size): the model sharded over this many
     # processes, one device each (engine_svc.executor). 1: the in-process model runner.
     tensor_parallel_size: int = 1
+    # Speculative decoding (vLLM's --speculative-config): n-gram proposals verified in one
+    # step (engine_svc.spec_decode). None: off.
+    speculative: NgramConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):

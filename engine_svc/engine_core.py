@@ -14,6 +14,9 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
+
+from engine_svc import envs
 from engine_svc.config import EngineConfig
 from engine_svc.core.errors import EngineAsleepError
 from engine_svc.core.kv_cache_manager import KVCacheManager
@@ -31,8 +34,10 @@ from engine_svc.lora.registry import LoRAInfo
 from engine_svc.models.loader import read_hf_config
 from engine_svc.models.tasks import checkpoint_kind, model_tasks
 from engine_svc.profiler import EngineProfiler
+from engine_svc.spec_decode.ngram import NgramProposer
+from engine_svc.spec_decode.verify import eligible
 from engine_svc.structured_output.manager import StructuredOutputManager
-from engine_svc.worker.model_runner import ModelRunnerOutput
+from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
 from engine_svc.worker.sleep_mode import check_sleep_level
 from protos.types import FinishReason
 
@@ -101,6 +106,12 @@ class EngineCore:
             self.info.eos_token_ids,
         )
         self.profiler = EngineProfiler(config.profile_dir, self.runner.device)
+        # Speculative decoding: n-gram proposals for the next step, made after each update.
+        self.proposer: NgramProposer | None = None
+        if config.speculative is not None:
+            # (the config refuses speculation with tensor parallelism: the runner is in process)
+            assert isinstance(self.runner, ModelRunner)
+            self.proposer = NgramProposer(config.speculative, max_len, envs.cache_dir() / "kernels")
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -309,12 +320,30 @@ class EngineCore:
             self.structured.wait_for_any(_GRAMMAR_WAIT_S)  # rather than spin until it is ready
         result = self.runner.execute(scheduled)
         self._keep_prompt_logprobs(result)
-        touched = self.scheduler.update_from_output(scheduled, result.sampled)
+        touched = self.scheduler.update_from_output(scheduled, result.sampled, result.spec_accepted)
+        if self.proposer is not None:
+            self._propose(touched)
         now = time.monotonic()
         output_of = self._output_of
         outputs = [output_of(r, result, now) for r in touched]
         stats = self.scheduler.take_stats()  # this step's counters, then a new interval
         return EngineCoreOutputs(outputs, stats, self.scheduler.take_errors())
+
+    def _propose(self, touched: list[Request]) -> None:
+        """Proposals for the next step of the requests that got tokens and go on, read from the
+        persistent batch's token array (``spec_decode.ngram``)."""
+        assert self.proposer is not None
+        ready = [r for r in touched if not r.is_finished and eligible(r)]
+        if not ready:
+            return
+        runner = self.runner
+        assert isinstance(runner, ModelRunner)  # in process (see __init__)
+        batch = runner.input_batch
+        rows = np.fromiter((batch.row_of[r.request_id] for r in ready), np.int64, len(ready))
+        proposals, counts = self.proposer.propose(batch.token_ids, rows, batch.num_tokens[rows])
+        for request, proposal, count in zip(ready, proposals, counts.tolist(), strict=True):
+            if count:
+                request.spec_token_ids = proposal[:count].tolist()
 
     def _keep_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
         # Chunks of a long prompt arrive over several steps; they are sent with the first token.
@@ -339,9 +368,11 @@ class EngineCore:
                 pooled=result.pooled[rid],
             )
         logprobs = result.logprobs
+        n = request.num_step_tokens
         out = EngineCoreOutput(
             request_id=rid,
-            new_token_ids=[result.sampled[rid]],
+            # More than one: accepted proposals, then the sampled token (stopped where it ended).
+            new_token_ids=request.output_token_ids[-n:] if n > 1 else [result.sampled[rid]],
             new_logprobs=[logprobs[rid]] if logprobs and rid in logprobs else [],
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,

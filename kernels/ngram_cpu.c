@@ -1,10 +1,11 @@
 // Prompt lookup (n-gram) proposals for speculative decoding, one call for the whole batch.
 //
-// For each row r, tokens[r * stride .. + lens[r]) is the request's context (prompt + output).
+// For each i < count, tokens[rows[i] * stride .. + lens[i]) is one request's context (prompt +
+// output): the persistent batch's token array is read in place.
 // The proposal is the up to k tokens that followed the earliest earlier occurrence of the
 // longest suffix of the context of length in [min_n, max_n] (vLLM's NgramProposer rule), at
-// most max_len - lens[r] tokens (the model's length bound). Written to out[r * k ..], the count
-// to counts[r] (0: no proposal).
+// most max_len - lens[i] tokens (the model's length bound). Written to out[i * k ..], the count
+// to counts[i] (0: no proposal).
 //
 // The search runs KMP over the reversed context: the pattern is its own prefix (the context's
 // suffix, reversed), and a match ending at reversed index p of length L is an occurrence of the
@@ -46,13 +47,13 @@ static int32_t propose_row(const int32_t* t, int32_t n, int32_t min_n, int32_t m
   return count;
 }
 
-void ngram_propose(const int32_t* tokens, int64_t stride, const int32_t* lens, int32_t rows,
-                   int32_t min_n, int32_t max_n, int32_t k, int32_t max_len, int32_t* out,
-                   int32_t* counts) {
-#pragma omp parallel for schedule(dynamic, 8) if (rows >= 64)
-  for (int32_t r = 0; r < rows; ++r) {
+void ngram_propose(const int32_t* tokens, int64_t stride, const int64_t* rows,
+                   const int32_t* lens, int32_t count, int32_t min_n, int32_t max_n, int32_t k,
+                   int32_t max_len, int32_t* out, int32_t* counts) {
+#pragma omp parallel for schedule(dynamic, 8) if (count >= 64)
+  for (int32_t i = 0; i < count; ++i) {
     int32_t lps[max_n];
-    counts[r] = propose_row(tokens + r * stride, lens[r], min_n, max_n, k, max_len, out + r * k,
-                            lps);
+    counts[i] = propose_row(tokens + rows[i] * stride, lens[i], min_n, max_n, k, max_len,
+                            out + (int64_t)i * k, lps);
   }
 }

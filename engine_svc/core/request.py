@@ -120,6 +120,9 @@ class Request:
         self.first_token_ts: float | None = None
         self.logprobs: list[Logprobs] = []
         self.prompt_logprobs: list[Logprobs | None] = []
+        # Speculative decoding: tokens proposed for the next step (the scheduler takes them).
+        self.spec_token_ids: list[int] = []
+        self.num_step_tokens = 0  # output tokens the last step appended (more than 1: verified)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -61,6 +61,9 @@ class ScheduledRequest:
     # blocks allocated this step (usually none), so a step costs O(new blocks), not O(blocks).
     admitted: bool
     block_ids: list[int]
+    # Speculative decoding: proposed tokens computed after the request's last token in this
+    # step (num_tokens = 1 + their count), verified by the runner; empty for every other row.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +96,12 @@ class SchedulerStats:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     num_waiting_deferred: int = 0  # of num_waiting: grammar compiling or no LoRA slot (vLLM's)
+    # Speculative decoding in the interval (vLLM's spec_decode counters): requests verified,
+    # tokens proposed, tokens accepted, and accepted tokens by position in the proposal.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class _WaitingQueue:
@@ -174,6 +183,9 @@ class Scheduler:
         self._num_preemptions = 0
         self._compiling: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, in arrival order
         self._lora_deferred = 0  # waiting requests the last step stepped over for a LoRA slot
+        # Speculative decoding counters of the interval (see SchedulerStats).
+        self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+        self._spec_per_pos: list[int] = []
         self._errors: list[tuple[str, Exception]] = []  # failed since the last take_errors()
 
     # ------------------------------------------------------------------ requests in and out
@@ -278,6 +290,8 @@ class Scheduler:
             if num_new <= 0:  # everything computed; waits for its sampled token
                 i += 1
                 continue
+            spec = self._spec_tokens(request, num_new, budget) if request.spec_token_ids else []
+            num_new += len(spec)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -293,7 +307,7 @@ class Scheduler:
                     break
             else:
                 new_ids = [b.block_id for b in new_blocks]
-                scheduled.append(ScheduledRequest(request, num_new, False, new_ids))
+                scheduled.append(ScheduledRequest(request, num_new, False, new_ids, spec))
                 budget -= num_new
                 i += 1
                 continue
@@ -356,12 +370,27 @@ class Scheduler:
         self._finished_ids = []
         return out
 
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's proposals this step may verify (taken: it has none after): only in a
+        decode (one token to compute), as many as the token budget, the context length and
+        max_tokens leave room for (the step emits at most one token more than it verifies)."""
+        proposed, request.spec_token_ids = request.spec_token_ids, []
+        if num_new != 1:
+            return []
+        room = min(
+            budget - 1,
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - len(request.output_token_ids) - 1,
+        )
+        return proposed[: max(room, 0)]
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -370,19 +399,36 @@ class Scheduler:
         self.waiting.add(request, front=True)
 
     # ------------------------------------------------------------------ after the forward pass
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        spec_accepted: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
         """Advance computed counters, append sampled tokens, stop finished requests.
 
         ``sampled`` maps request id -> token for requests whose step reached the end of their
-        known tokens (a partial prefill chunk samples nothing). Returns requests that got a
-        token or finished this step, in schedule order: a pooling request once, when its last
-        prompt chunk was computed (it finishes STOPPED; the runner pooled it in this step).
+        known tokens (a partial prefill chunk samples nothing). ``spec_accepted``: for a row
+        that verified proposals, those accepted (they come before its sampled token; the KV of
+        the rejected ones is not counted as computed). Returns requests that got a token or
+        finished this step, in schedule order: a pooling request once, when its last prompt
+        chunk was computed (it finishes STOPPED; the runner pooled it in this step). A
+        request's ``num_step_tokens`` is how many tokens this step appended to it.
         """
         touched: list[Request] = []
         for s in output.scheduled:
             request = s.request
             if request.is_finished or request.status is RequestStatus.PREEMPTED:
                 continue  # aborted between schedule and update, or preempted by a later one
+            if s.spec_token_ids:
+                accepted = (spec_accepted or {}).get(request.request_id, [])
+                self._count_spec(len(s.spec_token_ids), len(accepted))
+                # The rejected proposals' KV is not the context's: it is written over later.
+                request.num_computed_tokens += s.num_tokens - len(s.spec_token_ids) + len(accepted)
+                token = sampled.get(request.request_id)
+                if token is not None and self._append(request, [*accepted, token]):
+                    touched.append(request)
+                continue
             request.num_computed_tokens += s.num_tokens
             if request.pooling_params is not None:
                 if request.num_computed_tokens >= request.num_prompt_tokens:
@@ -393,6 +439,7 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
+            request.num_step_tokens = 1
             request.append_output_token(token)
             if request.grammar is not None and not request.grammar.accept(token):
                 # Only a masking bug gets here: the sampler picked a token the grammar forbids.
@@ -405,6 +452,34 @@ class Scheduler:
                 self.finish(request, status)
             touched.append(request)
         return touched
+
+    def _append(self, request: Request, tokens: list[int]) -> bool:
+        """Append a verified run of tokens, stopping at the first that ends the request (the
+        rest are dropped, as if never sampled). False when the request failed (no output)."""
+        request.num_step_tokens = 0
+        for token in tokens:
+            request.append_output_token(token)
+            request.num_step_tokens += 1
+            if request.grammar is not None and not request.grammar.accept(token):
+                self.running.remove(request)
+                self._fail(request, RuntimeError(f"sampled token {token} breaks the grammar"))
+                return False
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self.finish(request, status)
+                break
+        return True
+
+    def _count_spec(self, proposed: int, accepted: int) -> None:
+        self._spec_drafts += 1
+        self._spec_draft_tokens += proposed
+        self._spec_accepted += accepted
+        per_pos = self._spec_per_pos
+        if len(per_pos) < proposed:
+            per_pos.extend([0] * (proposed - len(per_pos)))
+        for j in range(accepted):
+            per_pos[j] += 1
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # Runs for every request every step: plain reads, each counter taken once.
@@ -434,6 +509,10 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions,
             num_waiting_deferred=min(len(self.waiting), len(self._compiling) + self._lora_deferred),
+            spec_num_drafts=self._spec_drafts,
+            spec_num_draft_tokens=self._spec_draft_tokens,
+            spec_num_accepted_tokens=self._spec_accepted,
+            spec_accepted_per_pos=list(self._spec_per_pos),
         )
         if self.lora is not None:
             stats.running_lora_adapters = _per_adapter(self.running)
@@ -447,6 +526,9 @@ class Scheduler:
         stats = self.stats()
         self.kv.stats.reset()
         self._num_preemptions = 0
+        if self._spec_drafts:
+            self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+            self._spec_per_pos = []
         return stats
 
 

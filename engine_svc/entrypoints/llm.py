@@ -10,6 +10,7 @@ Pooling models add ``embed``, ``classify`` and ``score`` (``llm_pooling``).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from engine_svc.entrypoints.llm_pooling import PoolingMixin
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
 from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL, resolve_model, resolve_tokenizer
+from engine_svc.spec_decode.ngram import NgramConfig, parse_speculative_config
 from protos.bad_words import bad_words_token_ids
 from protos.gc_heap import freeze_startup_heap
 from protos.types import FinishReason
@@ -68,6 +70,13 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def _speculative(spec: dict[str, Any] | str | None) -> NgramConfig | None:
+    """vLLM's ``speculative_config`` (a dict, or its JSON) as the engine's config."""
+    if spec is None:
+        return None
+    return parse_speculative_config(spec if isinstance(spec, str) else json.dumps(spec))
+
+
 def _graph_sizes(sizes: int | Sequence[int] | None) -> tuple[int, ...] | None:
     if sizes is None:
         return None
@@ -100,6 +109,7 @@ class LLM(PoolingMixin):
         enforce_eager: bool = EngineConfig.enforce_eager,
         cuda_graph_sizes: int | Sequence[int] | None = None,
         tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
+        speculative_config: dict[str, Any] | str | None = None,
         seed: int = ModelConfig.seed,
         served_model_name: str | None = None,
         pooling_type: str | None = ModelConfig.pooling_type,
@@ -168,6 +178,7 @@ class LLM(PoolingMixin):
             enforce_eager=enforce_eager,
             cuda_graph_sizes=_graph_sizes(cuda_graph_sizes),
             tensor_parallel_size=tensor_parallel_size,
+            speculative=_speculative(speculative_config),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             profile_dir=str(profile_dir) if profile_dir is not None else envs.profile_dir(),
         )

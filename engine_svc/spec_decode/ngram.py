@@ -11,9 +11,9 @@ to k of the tokens after it (never past the model's length bound)::
     proposal        D E               (k = 2; with k = 4 also "A B C": the context's own tail)
 
 The batch goes to one C call (``kernels/ngram_cpu.c``, an O(length) KMP pass per row, rows in
-parallel with OpenMP at large batches) over the persistent batch's token array, so proposing
-for 256 requests costs well under a millisecond. Without a C compiler the same rule runs in
-Python (``propose_row``), which is also the tests' reference.
+parallel with OpenMP at large batches) reading the persistent batch's token array in place, so
+proposing for 256 requests costs well under a millisecond. Without a C compiler the same rule
+runs in Python (``propose_row``), which is also the tests' reference.
 """
 
 from __future__ import annotations
@@ -49,6 +49,38 @@ class NgramConfig:
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+
+
+def parse_speculative_config(text: str) -> NgramConfig:
+    """``--speculative-config`` (vLLM's JSON): ``{"method": "ngram", "num_speculative_tokens":
+    k, "prompt_lookup_min": a, "prompt_lookup_max": b}``. ValueError names what is wrong. Only
+    one of the lookup bounds given: the other takes its value (as vLLM does); neither: 1..4."""
+    import json
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    method = spec.pop("method", None)
+    if method != "ngram":
+        raise ValueError(
+            f'--speculative-config method {method!r} is not supported; this engine has "ngram"'
+        )
+    k = spec.pop("num_speculative_tokens", None)
+    lo, hi = spec.pop("prompt_lookup_min", None), spec.pop("prompt_lookup_max", None)
+    if spec:
+        raise ValueError(f"--speculative-config: unknown keys {sorted(spec)}")
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise ValueError("--speculative-config needs num_speculative_tokens (an integer)")
+    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"--speculative-config: {name} must be an integer")
+    if lo is None and hi is None:
+        lo, hi = 1, 4
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    return NgramConfig(k, lo, hi)
 
 
 def propose_row(tokens: list[int], min_n: int, max_n: int, k: int, max_len: int) -> list[int]:
@@ -95,6 +127,8 @@ class NgramProposer:
         if tokens.dtype != np.int32 or tokens.ndim != 2 or tokens.strides[1] != 4:
             raise ValueError("tokens must be a 2-D int32 array with unit stride along a row")
         lens32 = np.ascontiguousarray(lens, dtype=np.int32)
+        if len(lens32) != n or lens32.max() > tokens.shape[1] or lens32.min() < 0:
+            raise ValueError("lens must give each row's token count within the array")
         if self._lib is None:
             for i, (row, length) in enumerate(zip(rows.tolist(), lens32.tolist(), strict=True)):
                 got = propose_row(
@@ -104,17 +138,16 @@ class NgramProposer:
                 out[i, : len(got)] = got
                 counts[i] = len(got)
             return out, counts
-        rows_arr = np.asarray(rows, dtype=np.int64)
-        if bool(np.all(np.diff(rows_arr) == 1)):  # a run of rows: read in place
-            source = tokens[rows_arr[0] :]
-        else:
-            source = np.ascontiguousarray(tokens[rows_arr])
+        rows64 = np.ascontiguousarray(rows, dtype=np.int64)
+        if n and (rows64.min() < 0 or rows64.max() >= tokens.shape[0]):
+            raise ValueError("rows out of the token array")
         self._lib.ngram_propose(
-            source.ctypes.data_as(_I32P), ctypes.c_int64(source.strides[0] // 4),
-            lens32.ctypes.data_as(_I32P), ctypes.c_int32(n),
-            ctypes.c_int32(cfg.prompt_lookup_min), ctypes.c_int32(cfg.prompt_lookup_max),
-            ctypes.c_int32(k), ctypes.c_int32(self.max_model_len),
-            out.ctypes.data_as(_I32P), counts.ctypes.data_as(_I32P),
+            tokens.ctypes.data_as(_I32P), ctypes.c_int64(tokens.strides[0] // 4),
+            rows64.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), lens32.ctypes.data_as(_I32P),
+            ctypes.c_int32(n), ctypes.c_int32(cfg.prompt_lookup_min),
+            ctypes.c_int32(cfg.prompt_lookup_max), ctypes.c_int32(k),
+            ctypes.c_int32(self.max_model_len), out.ctypes.data_as(_I32P),
+            counts.ctypes.data_as(_I32P),
         )  # fmt: skip
         return out, counts
 

@@ -41,6 +41,7 @@ from engine_svc.models.loader import (
     load_model,
     read_hf_config,
 )
+from engine_svc.spec_decode.verify import verify_step
 from engine_svc.structured_output.bitmask import GrammarBitmask
 from engine_svc.worker import cuda_graphs
 from engine_svc.worker.cuda_graphs import DecodeGraphs
@@ -69,6 +70,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
     # Pooling requests whose last prompt chunk ran in this step: their result.
     pooled: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+    # Requests that verified proposals: the accepted ones, emitted before their sampled token.
+    spec_accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -295,6 +298,11 @@ class ModelRunner:
         self._update_batch(so)
         if so.is_empty:
             return ModelRunnerOutput()
+        spec = [s for s in so.scheduled if s.spec_token_ids]
+        for s in spec:  # the proposals are this step's input after the request's known tokens
+            row = self.input_batch.row_of[s.request.request_id]
+            n = int(self.input_batch.num_tokens[row])
+            self.input_batch.token_ids[row, n : n + len(s.spec_token_ids)] = s.spec_token_ids
         step = build_step(
             so.scheduled,
             self.input_batch,
@@ -318,6 +326,13 @@ class ModelRunner:
         if pooling.any():
             out.pooled = self.pooler.pool(step, hidden, np.flatnonzero(pooling))
         sampling = np.flatnonzero(reaching_end & ~pooling)
+        if spec:
+            verifying = np.fromiter((bool(step.batch[i].spec_token_ids) for i in sampling), bool)
+            verify_step(
+                step, sampling[verifying], hidden, self.input_batch, self.model.compute_logits,
+                self.generators, out.sampled, out.spec_accepted,
+            )  # fmt: skip
+            sampling = sampling[~verifying]
         if sampling.size:
             reqs = [step.batch[i].request for i in sampling]
             rows = step.rows[sampling]

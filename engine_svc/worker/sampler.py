@@ -197,6 +197,27 @@ def _processed(
 
 
 def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    probs, is_greedy, greedy = _target_probs(logits, md)
+    q = torch.empty_like(probs)
+    if len(md.generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in md.generators.items():
+        q[row].exponential_(generator=gen)
+    sampled = (probs / q).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row's token is drawn from (float32 [B, V]): temperature, the
+    adjusted rows, min-p, top-k and top-p applied, as ``sample`` draws (speculative decoding
+    verifies proposals against it). Greedy rows (temperature ~0) get softmax(logits)."""
+    return _target_probs(logits, md)[0]
+
+
+def _target_probs(
+    logits: torch.Tensor, md: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs, is_greedy [B], each row's argmax after the adjustments)."""
     assert md.temperature is not None, "a batch with random rows has temperatures"
     is_greedy = md.temperature < 1e-5
     temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
@@ -213,15 +234,7 @@ def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = _top_k_top_p(logits, md.top_k, md.top_p, num)
     elif md.top_p is not None:
         logits = _sorted_top_k_top_p(logits, None, md.top_p)
-    probs = torch.softmax(logits, dim=-1)
-
-    q = torch.empty_like(probs)
-    if len(md.generators) < probs.shape[0]:
-        q.exponential_()
-    for row, gen in md.generators.items():
-        q[row].exponential_(generator=gen)
-    sampled = (probs / q).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled)
+    return torch.softmax(logits, dim=-1), is_greedy, greedy
 
 
 def _num_top_candidates(top_k: torch.Tensor, top_p: torch.Tensor | None, vocab: int) -> int:

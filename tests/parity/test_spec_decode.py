@@ -1,0 +1,152 @@
+"""Speculative decoding in the engine (issue 34): n-gram proposals verified in one step.
+
+Greedy output with speculation equals greedy output without it, token for token, for Llama,
+Qwen2 and Qwen3 tiny shapes, through chunked prefill, prefix-cache hits and preemption (each
+asserted to happen), with proposals accepted and rejected (both asserted); stop ids, EOS and
+max_tokens end a request inside an accepted run where they would without speculation; requests
+whose parameters the verification does not apply (logprobs here) decode as before beside
+speculating ones; every KV block is back in the pool afterwards, aborts mid-run included."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.engine_core import EngineCore
+from engine_svc.spec_decode.ngram import NgramConfig
+
+SPEC = NgramConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def _engine(model_dir: Path, spec: NgramConfig | None, **cache: int) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(str(model_dir), dtype="float32"),
+            cache=CacheConfig(num_kv_blocks=cache.get("blocks", 64)),
+            scheduler=SchedulerConfig(max_num_batched_tokens=cache.get("budget", 64)),
+            speculative=spec,
+        )
+    )
+
+
+def _prompts(seed: int, n: int, prefix: list[int] = []) -> list[list[int]]:  # noqa: B006
+    """Prompts that repeat their own spans (so the proposer finds earlier occurrences)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        span = [rng.randrange(4, 300) for _ in range(rng.randint(3, 8))]
+        out.append(prefix + span * rng.randint(2, 4) + [rng.randrange(4, 300)])
+    return out
+
+
+def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> tuple:
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, p, sp)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    reasons: dict[str, object] = {}
+    totals = dict(steps=0, drafts=0, proposed=0, accepted=0, preemptions=0, hits=0)
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        totals["steps"] += 1
+        for o in step.outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                reasons[o.request_id] = o.finish_reason
+        s = step.stats
+        totals["drafts"] += s.spec_num_drafts
+        totals["proposed"] += s.spec_num_draft_tokens
+        totals["accepted"] += s.spec_num_accepted_tokens
+        totals["preemptions"] += s.num_preemptions
+        totals["hits"] += s.prefix_cache_hits
+    return [tokens[r] for r in ids], [reasons[r] for r in ids], totals
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_output_is_the_same_with_and_without_speculation(
+    tiny_models: dict[str, Path], arch: str
+) -> None:
+    shared = _prompts(1, 1)[0] * 2  # a shared prefix of several blocks: prefix-cache hits
+    prompts = _prompts(2, 5) + _prompts(3, 3, shared)
+    greedy = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)
+    # A small cache and token budget: chunked prefill and preemption, with and without.
+    base = _engine(tiny_models[arch], None, blocks=10, budget=32)
+    spec = _engine(tiny_models[arch], SPEC, blocks=10, budget=32)
+    want, _, base_totals = _run(base, prompts, greedy)
+    got, _, totals = _run(spec, prompts, greedy)
+    assert got == want
+    assert totals["preemptions"] > 0 and totals["hits"] > 0
+    assert 0 < totals["accepted"] < totals["proposed"], totals  # accepted and rejected both
+    assert totals["steps"] < base_totals["steps"]  # accepted proposals save steps
+    assert spec.kv.num_free_blocks == base.kv.num_free_blocks == 10  # nothing leaked
+
+
+def test_stops_inside_an_accepted_run_end_the_request_where_they_would(
+    tiny_models: dict[str, Path],
+) -> None:
+    prompts = _prompts(4, 4)
+    free = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * len(prompts)
+    base = _engine(tiny_models["llama"], None)
+    want, _, _ = _run(base, prompts, free)
+    # Stop at a token each request emits at position 5..9, or at max_tokens 7.
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[w[6]])
+        for w in want[:3]
+    ] + [SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)]
+    want_stopped, want_reasons, _ = _run(base, prompts, params)
+    got, reasons, totals = _run(_engine(tiny_models["llama"], SPEC), prompts, params)
+    assert totals["accepted"] > 0
+    assert got == want_stopped and reasons == want_reasons
+    assert [len(g) for g in got[3:]] == [7]
+
+
+def test_requests_the_verification_does_not_cover_decode_as_before(
+    tiny_models: dict[str, Path],
+) -> None:
+    prompts = _prompts(5, 4)
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    ]
+    want, _, _ = _run(_engine(tiny_models["qwen3"], None), prompts, params)
+    got, _, totals = _run(_engine(tiny_models["qwen3"], SPEC), prompts, params)
+    assert got == want and totals["accepted"] > 0
+
+
+def test_sampled_requests_speculate_within_their_limits_and_follow_their_seed(
+    tiny_models: dict[str, Path],
+) -> None:
+    prompts = _prompts(6, 3)
+    params = [
+        SamplingParams(max_tokens=18, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=12, ignore_eos=True),
+        SamplingParams(max_tokens=13, temperature=0.5, min_p=0.05, seed=13, ignore_eos=True),
+    ]
+    spec = _engine(tiny_models["llama"], SPEC)
+    first, _, totals = _run(spec, prompts, params)
+    again, _, _ = _run(spec, prompts, params)
+    assert [len(t) for t in first] == [18, 9, 13]
+    assert first == again  # seeded: the same draws
+    assert totals["drafts"] > 0
+    assert spec.kv.num_free_blocks == 64
+
+
+def test_aborts_during_speculation_return_every_block(tiny_models: dict[str, Path]) -> None:
+    spec = _engine(tiny_models["qwen2"], SPEC)
+    prompts = _prompts(7, 6)
+    for i, p in enumerate(prompts):
+        spec.add_request(f"a{i}", p, SamplingParams(max_tokens=200, temperature=0.0))
+    drafted = 0
+    for _ in range(12):
+        drafted += spec.step().stats.spec_num_drafts
+    assert drafted > 0
+    spec.abort_requests([f"a{i}" for i in range(6)])
+    spec.step()
+    assert not spec.has_unfinished_requests()
+    assert spec.kv.num_free_blocks == 64
