@@ -368,11 +368,14 @@ class EngineCore:
                 pooled=result.pooled[rid],
             )
         logprobs = result.logprobs
-        n = request.num_step_tokens
+        if result.spec_accepted and rid in result.spec_accepted:
+            # Accepted proposals, then the sampled token (cut where the request stopped).
+            new_tokens = request.output_token_ids[-request.num_step_tokens :]
+        else:
+            new_tokens = [result.sampled[rid]]
         out = EngineCoreOutput(
             request_id=rid,
-            # More than one: accepted proposals, then the sampled token (stopped where it ended).
-            new_token_ids=request.output_token_ids[-n:] if n > 1 else [result.sampled[rid]],
+            new_token_ids=new_tokens,
             new_logprobs=[logprobs[rid]] if logprobs and rid in logprobs else [],
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,

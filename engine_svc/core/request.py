@@ -122,7 +122,7 @@ class Request:
         self.prompt_logprobs: list[Logprobs | None] = []
         # Speculative decoding: tokens proposed for the next step (the scheduler takes them).
         self.spec_token_ids: list[int] = []
-        self.num_step_tokens = 0  # output tokens the last step appended (more than 1: verified)
+        self.num_step_tokens = 0  # output tokens the last verification step appended
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,7 +28,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -63,7 +63,7 @@ class ScheduledRequest:
     block_ids: list[int]
     # Speculative decoding: proposed tokens computed after the request's last token in this
     # step (num_tokens = 1 + their count), verified by the runner; empty for every other row.
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: Sequence[int] = ()  # (a shared empty tuple: no list per row and step)
 
 
 @dataclass
@@ -290,8 +290,10 @@ class Scheduler:
             if num_new <= 0:  # everything computed; waits for its sampled token
                 i += 1
                 continue
-            spec = self._spec_tokens(request, num_new, budget) if request.spec_token_ids else []
-            num_new += len(spec)
+            spec: Sequence[int] = ()
+            if request.spec_token_ids:
+                spec = self._spec_tokens(request, num_new, budget)
+                num_new += len(spec)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -370,7 +372,7 @@ class Scheduler:
         self._finished_ids = []
         return out
 
-    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> Sequence[int]:
         """The request's proposals this step may verify (taken: it has none after): only in a
         decode (one token to compute), as many as the token budget, the context length and
         max_tokens leave room for (the step emits at most one token more than it verifies)."""
@@ -412,8 +414,8 @@ class Scheduler:
         that verified proposals, those accepted (they come before its sampled token; the KV of
         the rejected ones is not counted as computed). Returns requests that got a token or
         finished this step, in schedule order: a pooling request once, when its last prompt
-        chunk was computed (it finishes STOPPED; the runner pooled it in this step). A
-        request's ``num_step_tokens`` is how many tokens this step appended to it.
+        chunk was computed (it finishes STOPPED; the runner pooled it in this step). A request
+        that verified proposals has ``num_step_tokens``: how many tokens this step appended.
         """
         touched: list[Request] = []
         for s in output.scheduled:
@@ -439,7 +441,6 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.num_step_tokens = 1
             request.append_output_token(token)
             if request.grammar is not None and not request.grammar.accept(token):
                 # Only a masking bug gets here: the sampler picked a token the grammar forbids.

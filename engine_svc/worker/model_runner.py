@@ -298,7 +298,7 @@ class ModelRunner:
         self._update_batch(so)
         if so.is_empty:
             return ModelRunnerOutput()
-        spec = [s for s in so.scheduled if s.spec_token_ids]
+        spec = [s for s in so.scheduled if s.spec_token_ids] if self.config.speculative else []
         for s in spec:  # the proposals are this step's input after the request's known tokens
             row = self.input_batch.row_of[s.request.request_id]
             n = int(self.input_batch.num_tokens[row])
