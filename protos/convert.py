@@ -209,6 +209,10 @@ def load_from_pb(load: pb.LoadStats) -> LoadFigures:
         running_lora_adapters=tuple(r) if (r := load.running_lora_adapters) else (),
         waiting_lora_adapters=tuple(w) if (w := load.waiting_lora_adapters) else (),
         num_waiting_deferred=load.num_waiting_deferred,
+        spec_num_drafts=load.spec_decode_num_drafts,
+        spec_num_draft_tokens=load.spec_decode_num_draft_tokens,
+        spec_num_accepted_tokens=load.spec_decode_num_accepted_tokens,
+        spec_accepted_per_pos=tuple(load.spec_decode_num_accepted_tokens_per_pos),
     )
 
 
@@ -403,7 +407,12 @@ def load_to_pb(load: LoadFigures) -> pb.LoadStats:
         prefix_cache_hits=load.prefix_cache_hits,
         num_preemptions=load.num_preemptions,
         num_waiting_deferred=load.num_waiting_deferred,
+        spec_decode_num_drafts=load.spec_num_drafts,
+        spec_decode_num_draft_tokens=load.spec_num_draft_tokens,
+        spec_decode_num_accepted_tokens=load.spec_num_accepted_tokens,
     )
+    if per_pos := load.spec_accepted_per_pos:  # (only with speculative decoding)
+        stats.spec_decode_num_accepted_tokens_per_pos.extend(per_pos)
     if running := load.running_lora_adapters:  # (only with LoRA adapters in use)
         stats.running_lora_adapters.extend(running)
     if waiting := load.waiting_lora_adapters:

@@ -165,8 +165,8 @@ class EngineOutput:
 
 @dataclass(frozen=True, slots=True)
 class LoadFigures:
-    """Engine-wide load, as every engine message carries it; the prefix-cache and preemption
-    figures are cumulative totals."""
+    """Engine-wide load, as every engine message carries it; the prefix-cache, preemption and
+    speculative-decoding figures are cumulative totals."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -180,6 +180,12 @@ class LoadFigures:
     # Of num_waiting, those stepped over for now (a grammar compiling, no LoRA slot): vLLM's
     # "deferred" waiting requests; the others wait for capacity.
     num_waiting_deferred: int = 0
+    # Speculative decoding totals: requests verified, tokens proposed, tokens accepted, and
+    # accepted tokens by position in the proposal.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

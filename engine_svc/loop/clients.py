@@ -33,6 +33,20 @@ def load_after(load: LoadFigures, s: SchedulerStats) -> LoadFigures:
         _names(s.running_lora_adapters),
         _names(s.waiting_lora_adapters),
         num_waiting_deferred=s.num_waiting_deferred,
+        spec_num_drafts=load.spec_num_drafts + s.spec_num_drafts,
+        spec_num_draft_tokens=load.spec_num_draft_tokens + s.spec_num_draft_tokens,
+        spec_num_accepted_tokens=load.spec_num_accepted_tokens + s.spec_num_accepted_tokens,
+        spec_accepted_per_pos=_add(load.spec_accepted_per_pos, s.spec_accepted_per_pos),
+    )
+
+
+def _add(total: tuple[int, ...], step: list[int]) -> tuple[int, ...]:
+    """Per-position totals plus a step's counts (either may be the longer)."""
+    if not step:
+        return total
+    n = max(len(total), len(step))
+    return tuple(
+        (total[i] if i < len(total) else 0) + (step[i] if i < len(step) else 0) for i in range(n)
     )
 
 
@@ -50,6 +64,10 @@ def load_with_gauges(load: LoadFigures, s: SchedulerStats) -> LoadFigures:
         _names(s.running_lora_adapters),
         _names(s.waiting_lora_adapters),
         num_waiting_deferred=s.num_waiting_deferred,
+        spec_num_drafts=load.spec_num_drafts,
+        spec_num_draft_tokens=load.spec_num_draft_tokens,
+        spec_num_accepted_tokens=load.spec_num_accepted_tokens,
+        spec_accepted_per_pos=load.spec_accepted_per_pos,
     )
 
 

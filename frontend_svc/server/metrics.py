@@ -62,7 +62,14 @@ ENGINE_TOTALS = {
     "vllm:prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
     "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "vllm:num_preemptions": "Cumulative number of preemption from the engine.",
+    # Speculative decoding (series appear with an engine's first verification step).
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
 }
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
 # Families vLLM also serves under an older name, with the same observations: name -> (old name,
 # its help text). Added at exposition (_WithAliases), not observed twice.
 ALIASES = {
@@ -175,6 +182,10 @@ class Metrics:
         self.prefix_queries = self._engine_total("vllm:prefix_cache_queries")
         self.prefix_hits = self._engine_total("vllm:prefix_cache_hits")
         self.preemptions = self._engine_total("vllm:num_preemptions")
+        self.spec_drafts = self._engine_total("vllm:spec_decode_num_drafts")
+        self.spec_draft_tokens = self._engine_total("vllm:spec_decode_num_draft_tokens")
+        self.spec_accepted = self._engine_total("vllm:spec_decode_num_accepted_tokens")
+        self.spec_per_pos = self._engine_total(SPEC_PER_POS, "position")
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", per_engine, registry=r
         )
@@ -270,8 +281,8 @@ class Metrics:
         # message and every finished request. A child removed by _drop leaves the cache too.
         self._child_cache: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def _engine_total(self, name: str) -> Counter | Gauge:
-        labels, r = ["model_name", "engine"], self.registry
+    def _engine_total(self, name: str, *extra: str) -> Counter | Gauge:
+        labels, r = ["model_name", "engine", *extra], self.registry
         if self._shared_dir is None:
             return Counter(name, ENGINE_TOTALS[name], labels, registry=r)
         # Each worker's running total of the same engine figures; /metrics reports the largest.
@@ -375,10 +386,20 @@ class Metrics:
             (self.prefix_queries, load.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, load.prefix_cache_hits, last.prefix_cache_hits),
             (self.preemptions, load.num_preemptions, last.num_preemptions),
+            (self.spec_drafts, load.spec_num_drafts, last.spec_num_drafts),
+            (self.spec_draft_tokens, load.spec_num_draft_tokens, last.spec_num_draft_tokens),
+            (self.spec_accepted, load.spec_num_accepted_tokens, last.spec_num_accepted_tokens),
         ):
             delta = new - old if new >= old else new  # a smaller total: the engine restarted
             if delta:
                 child(counter, m, engine).inc(delta)
+        if load.spec_accepted_per_pos != last.spec_accepted_per_pos:
+            restarted = load.spec_num_drafts < last.spec_num_drafts
+            before = () if restarted else last.spec_accepted_per_pos
+            for pos, total in enumerate(load.spec_accepted_per_pos):
+                delta = total - (before[pos] if pos < len(before) else 0)
+                if delta > 0:
+                    child(self.spec_per_pos, m, engine, str(pos)).inc(delta)
         self._last[engine] = load
         max_loras = self._max_loras.get(engine)
         if max_loras is not None:

@@ -137,6 +137,9 @@ def test_an_output_round_trips() -> None:
 def test_load_model_info_adapters_and_error_codes_round_trip() -> None:
     load = LoadFigures(3, 1, 0.5, 10, 4, 2, ("a",), ("b", "c"), num_waiting_deferred=1)
     assert convert.load_from_pb(convert.load_to_pb(load)) == load
+    spec = LoadFigures(spec_num_drafts=7, spec_num_draft_tokens=28, spec_num_accepted_tokens=9,
+                       spec_accepted_per_pos=(5, 3, 1, 0))  # fmt: skip
+    assert convert.load_from_pb(convert.load_to_pb(spec)) == spec
     info = ModelInfo(
         served_model_name="m",
         max_model_len=4096,

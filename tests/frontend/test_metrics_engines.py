@@ -121,6 +121,38 @@ def test_waiting_is_split_by_reason_as_vllm_does() -> None:
     assert by_reason() == (None, None)
 
 
+def test_speculative_decoding_counters_as_vllm_names_them() -> None:
+    """The engine's cumulative spec-decode totals become vLLM's counters (by their increase,
+    per position too); an engine that restarted counts from its new totals."""
+    m = Metrics("m")
+    a = {"model_name": "m", "engine": "a:1"}
+    m.observe_engine_info("a:1", INFO)
+
+    def figures() -> tuple[float | None, ...]:
+        return (
+            value(m, "vllm:spec_decode_num_drafts_total", **a),
+            value(m, "vllm:spec_decode_num_draft_tokens_total", **a),
+            value(m, "vllm:spec_decode_num_accepted_tokens_total", **a),
+            *(
+                value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p, **a)
+                for p in "012"
+            ),
+        )
+
+    m.observe_load("a:1", LoadFigures(spec_num_drafts=4, spec_num_draft_tokens=12,
+                                      spec_num_accepted_tokens=5,
+                                      spec_accepted_per_pos=(3, 2)))  # fmt: skip
+    assert figures() == (4, 12, 5, 3, 2, None)
+    m.observe_load("a:1", LoadFigures(spec_num_drafts=6, spec_num_draft_tokens=18,
+                                      spec_num_accepted_tokens=8,
+                                      spec_accepted_per_pos=(4, 3, 1)))  # fmt: skip
+    assert figures() == (6, 18, 8, 4, 3, 1)
+    m.observe_load("a:1", LoadFigures(spec_num_drafts=1, spec_num_draft_tokens=3,
+                                      spec_num_accepted_tokens=1,
+                                      spec_accepted_per_pos=(1,)))  # fmt: skip  # restarted
+    assert figures() == (7, 21, 9, 5, 3, 1)
+
+
 def test_gauges_follow_the_model_an_engine_serves() -> None:
     m = Metrics("old")
     m.observe_engine_info("a:1", INFO)

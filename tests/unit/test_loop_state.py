@@ -85,6 +85,13 @@ def test_load_figures_add_a_steps_counters_but_only_take_gauges_between_steps() 
     load = load_after(load_after(LoadFigures(), step), step)
     assert (load.num_running, load.prefix_cache_queries) == (2, 20)
     assert (load.num_waiting, load.num_waiting_deferred) == (3, 1)  # gauges: taken, not added
+    spec = SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=8,
+                          spec_num_accepted_tokens=5, spec_accepted_per_pos=[2, 2, 1])  # fmt: skip
+    after = load_after(load_after(load, spec), SchedulerStats(spec_accepted_per_pos=[1, 0, 0, 1]))
+    assert (after.spec_num_drafts, after.spec_num_draft_tokens) == (2, 8)  # counters: added
+    assert after.spec_num_accepted_tokens == 5
+    assert after.spec_accepted_per_pos == (3, 2, 1, 1)  # position by position, the longer kept
+    assert load_with_gauges(after, SchedulerStats()).spec_accepted_per_pos == (3, 2, 1, 1)
     idle = SchedulerStats(num_running=0, prefix_cache_queries=10)
     refreshed = load_with_gauges(load, idle)
     assert (refreshed.num_running, refreshed.kv_cache_usage) == (0, 0.0)

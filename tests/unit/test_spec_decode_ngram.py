@@ -70,3 +70,41 @@ def test_the_kernel_equals_the_reference(native: NgramProposer, vocab: int) -> N
             for i, r in enumerate(select.tolist()):
                 want = propose_row(tokens[r, : lens[r]].tolist(), min_n, max_n, k, max_len)
                 assert out[i, : counts[i]].tolist() == want, (r, min_n, max_n, k)
+
+
+def test_the_speculative_config_is_read_as_vllm_writes_it() -> None:
+    from engine_svc.spec_decode.ngram import parse_speculative_config as parse
+
+    full = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, '
+    assert parse(full + '"prompt_lookup_max": 3}') == NgramConfig(5, 2, 3)
+    assert parse('{"method": "ngram", "num_speculative_tokens": 2}') == NgramConfig(2, 1, 4)
+    one = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+    assert parse(one) == NgramConfig(2, 3, 3)  # the other bound takes its value
+    for bad, message in [
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
+        ('{"method": "ngram"}', "needs num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "at least 1"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "unknown keys"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
+            '"prompt_lookup_max": 3}',
+            "1 <= min <= max",
+        ),  # fmt: skip
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse(bad)
+
+
+def test_the_flag_reaches_the_config_and_bad_values_exit_with_a_message() -> None:
+    from engine_svc.__main__ import main, parse_args
+
+    args = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert args.speculative_config is not None
+    with pytest.raises(SystemExit, match="not supported"):
+        main(["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'])
+    with pytest.raises(SystemExit, match="tensor-parallel"):
+        main(
+            ["-tp", "2", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+        )
