@@ -1,7 +1,8 @@
 """OpenAI request bodies: pydantic models that validate them (and document them: /openapi.json
 is generated from the models), and the frozen dataclasses the gateway makes of them.
 
-* ``models``: the bodies of /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
+* ``models``: the bodies of /v1/completions, /v1/chat/completions, /tokenize, /detokenize
+  (``chat_batch``: /v1/chat/completions/batch's);
   ``messages`` and ``structured``: their chat-message, tool and structured-output parts;
   ``fields``: the field types (ranges, token ids, string lists) they are made of;
   ``base``: the base model (extras ignored, null read as absent) and pydantic errors as 400s.
@@ -19,6 +20,7 @@ from frontend_svc.protocol.models import (
 )
 from frontend_svc.protocol.parse import (
     parse_chat,
+    parse_chat_batch,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
@@ -49,6 +51,7 @@ __all__ = [
     "SamplingOptions",
     "TokenizeRequest",
     "parse_chat",
+    "parse_chat_batch",
     "parse_completion",
     "parse_detokenize",
     "parse_tokenize",

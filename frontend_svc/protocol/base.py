@@ -144,6 +144,7 @@ _TYPE_PHRASES = {
     "dict_type": "must be an object",
     "string_type": "must be a string",
     "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
     "int_type": "must be an integer",
     "int_from_float": "must be an integer",
     "int_parsing": "must be an integer",

@@ -4,6 +4,8 @@ Schema that documents it, so /openapi.json says exactly what the server accepts.
 Numbers are read as strictly as JSON has them: an integer field takes integers and integral
 floats (``2.0``, as JSON Schema counts them), never booleans, strings or ``2.5``; a number field
 takes any number, checked as the 32-bit float the engine receives (the engine contract's type).
+A boolean field takes what vLLM's request models take (pydantic's lax mode): ``true``/``false``,
+the numbers 1 and 0, and the strings in ``TRUE_WORDS`` / ``FALSE_WORDS`` in any case.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     WrapValidator,
 )
 from pydantic.json_schema import JsonSchemaValue
@@ -55,8 +58,42 @@ def _integral(v: Any) -> Any:
 # A list stops at its first bad item: a 4 MiB body of bad items must not cost one error each.
 FAIL_FAST = Field(fail_fast=True)
 Int = Annotated[int, Strict(), BeforeValidator(_integral)]
-Bool = Annotated[bool, Strict()]
 Float = Annotated[float, Strict()]  # ints too: every JSON number
+
+
+# Booleans as vLLM reads them (pydantic's lax mode): besides true and false, the numbers 1 and 0
+# (1.0 and 0.0 too) and these strings, in any case; nothing else (not " true", "2" or 0.5).
+TRUE_WORDS = ("1", "t", "true", "y", "yes", "on")
+FALSE_WORDS = ("0", "f", "false", "n", "no", "off")
+
+
+def _words(words: tuple[str, ...]) -> str:
+    """A pattern matching exactly ``words`` in any case (JSON Schema's regexes take no flags)."""
+    any_case = ("".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in w) for w in words)
+    return f"^({'|'.join(any_case)})$"
+
+
+def _text(words: tuple[str, ...]) -> dict[str, Any]:
+    # "not" a newline: Python's regexes (jsonschema's) let "$" match before a last "\n"
+    return {"type": "string", "pattern": _words(words), "not": {"pattern": r"\n"}}
+
+
+# JSON Schema of a value read as true, as false (for the rules across fields), and of a boolean.
+TRUE: dict[str, Any] = {
+    "anyOf": [{"const": True}, {"type": "integer", "const": 1}, _text(TRUE_WORDS)]
+}
+FALSE: dict[str, Any] = {
+    "anyOf": [{"const": False}, {"type": "integer", "const": 0}, _text(FALSE_WORDS)]
+}
+_BOOLEAN = {
+    "anyOf": [
+        {"type": "boolean"},
+        {"type": "integer", "minimum": 0, "maximum": 1},
+        _text(TRUE_WORDS + FALSE_WORDS),
+    ]
+}
+# pydantic's own lax bool: no Python runs; its failures read "must be a boolean"
+Bool = Annotated[bool, WithJsonSchema(_BOOLEAN)]
 
 
 # The integers a JSON body can carry here: what orjson reads as an int (beyond, a float that

@@ -15,7 +15,7 @@ from pydantic import Field, PlainValidator, ValidationInfo, field_validator, mod
 
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import RequestModel, given, problem
-from frontend_svc.protocol.fields import FAIL_FAST, Bool, Says
+from frontend_svc.protocol.fields import FAIL_FAST, FALSE, TRUE, Bool, Says
 from frontend_svc.protocol.tools import FUNCTION_NAME, FunctionTool, ToolChoice, ToolOptions
 
 FunctionName = Annotated[
@@ -32,7 +32,9 @@ class TextPart(RequestModel):
     text: str
 
 
-def _arguments(v: Any) -> Any:
+def call_arguments(v: Any) -> Any:
+    """A call's ``arguments`` as the template gets them: JSON text parsed (null or "": {}), an
+    object or list as it is; anything else a validation failure (chat and Responses items)."""
     if v is None or v == "":
         return {}
     if isinstance(v, str):
@@ -50,7 +52,7 @@ class CalledFunction(RequestModel):
     # JSON text (parsed for the template), or already an object; null or "": {}
     arguments: Annotated[
         Any,
-        PlainValidator(_arguments, json_schema_input_type=str | dict[str, Any] | list[Any]),
+        PlainValidator(call_arguments, json_schema_input_type=str | dict[str, Any] | list[Any]),
     ] = Field(default_factory=dict)
 
 
@@ -209,8 +211,8 @@ class ChatTemplateFields(Tools):
 
     schema_rules: ClassVar[tuple[dict[str, Any], ...]] = (
         {
-            "if": given("continue_final_message", {"const": True}),
-            "then": given("add_generation_prompt", {"const": False}),
+            "if": given("continue_final_message", TRUE),
+            "then": given("add_generation_prompt", FALSE),
         },
     )
 

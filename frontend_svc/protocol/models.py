@@ -24,6 +24,7 @@ from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import NOT_NULL, RequestModel, given, problem
 from frontend_svc.protocol.fields import (
     INT32_MAX,
+    TRUE,
     UINT32_MAX,
     Bool,
     Float,
@@ -147,7 +148,7 @@ class GenerationBody(StructuredOutputFields):
     schema_rules: ClassVar[tuple[dict[str, Any], ...]] = (
         {
             "if": given("stream_options", {"type": "object", "minProperties": 1}),
-            "then": given("stream", {"const": True}),
+            "then": given("stream", TRUE),
         },
     )
 
@@ -244,7 +245,7 @@ class CompletionBody(GenerationBody):
 
     schema_rules: ClassVar[tuple[dict[str, Any], ...]] = (
         *GenerationBody.schema_rules,
-        {"if": given("max_tokens", {"const": 0}), "then": given("echo", {"const": True})},
+        {"if": given("max_tokens", {"const": 0}), "then": given("echo", TRUE)},
     )
 
     prompt: Annotated[
@@ -286,17 +287,16 @@ class CompletionBody(GenerationBody):
         return self
 
 
-class ChatBody(GenerationBody, ChatTemplateFields, ToolChoiceFields):
-    """POST /v1/chat/completions."""
+class ChatFields(GenerationBody, ChatTemplateFields, ToolChoiceFields):
+    """What a chat body holds besides its messages (one conversation's, or a batch's)."""
 
     schema_rules: ClassVar[tuple[dict[str, Any], ...]] = (
         *GenerationBody.schema_rules,
         *ChatTemplateFields.schema_rules,
         *ToolChoiceFields.schema_rules,
-        {"if": given("top_logprobs", NOT_NULL), "then": given("logprobs", {"const": True})},
+        {"if": given("top_logprobs", NOT_NULL), "then": given("logprobs", TRUE)},
     )
 
-    messages: Messages
     max_tokens: MaxTokens | None = Field(None, description="Default: the rest of the context.")
     max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
     logprobs: Bool = False
@@ -313,7 +313,7 @@ class ChatBody(GenerationBody, ChatTemplateFields, ToolChoiceFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @model_validator(mode="after")
-    def _chat_rules(self) -> ChatBody:
+    def _chat_rules(self) -> ChatFields:
         requested = self.max_completion_tokens
         self.min_tokens_fit(
             self.max_tokens if requested is None else requested, self.max_tokens_param
@@ -331,6 +331,12 @@ class ChatBody(GenerationBody, ChatTemplateFields, ToolChoiceFields):
                     structured[1],
                 )
         return self
+
+
+class ChatBody(ChatFields):
+    """POST /v1/chat/completions."""
+
+    messages: Messages
 
 
 class TokenizeBody(ChatTemplateFields):

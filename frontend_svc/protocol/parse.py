@@ -9,8 +9,11 @@ from typing import Any
 import orjson
 
 from frontend_svc.protocol.base import validate
+from frontend_svc.protocol.chat_batch import ChatBatchBody
+from frontend_svc.protocol.messages import Message
 from frontend_svc.protocol.models import (
     ChatBody,
+    ChatFields,
     CompletionBody,
     DetokenizeBody,
     GenerationBody,
@@ -60,6 +63,28 @@ def parse_chat(
     ask for the whole vocabulary (``vocab_size``; None: refused)."""
     context = {"max_logprobs": max_logprobs, "auto_tools": auto_tools, "vocab_size": vocab_size}
     b = validate(ChatBody, body, context)
+    raw: list[dict[str, Any]] = body["messages"]  # type: ignore[index]  # validated
+    return _chat_request(b, b.messages, raw, auto_tools)
+
+
+def parse_chat_batch(
+    body: object, max_logprobs: int, vocab_size: int | None = None
+) -> tuple[ChatRequest, ...]:
+    """/v1/chat/completions/batch: one chat request per conversation, each with the body's
+    other fields (as ``parse_chat`` reads them; the batch takes no tools)."""
+    context = {"max_logprobs": max_logprobs, "vocab_size": vocab_size}
+    b = validate(ChatBatchBody, body, context)
+    raw: list[list[dict[str, Any]]] = body["messages"]  # type: ignore[index]  # validated
+    return tuple(
+        _chat_request(b, messages, conversation, auto_tools=False)
+        for messages, conversation in zip(b.messages, raw, strict=True)
+    )
+
+
+def _chat_request(
+    b: ChatFields, messages: list[Message], raw: list[dict[str, Any]], auto_tools: bool
+) -> ChatRequest:
+    """The request of one conversation: ``messages`` as validated, ``raw`` as sent."""
     max_tokens = b.max_tokens if b.max_completion_tokens is None else b.max_completion_tokens
     logprobs = (b.top_logprobs or 0) if b.logprobs else None
     sampling = _sampling(b, max_tokens, logprobs, b.prompt_logprobs)
@@ -69,10 +94,9 @@ def parse_chat(
         constraint = StructuredOutput("json_schema", orjson.dumps(schema).decode())
         engine = replace(sampling.engine, structured_output=constraint)
         sampling = replace(sampling, engine=engine, structured_output_param="tool_choice")
-    raw: list[dict[str, Any]] = body["messages"]  # type: ignore[index]  # validated
     return ChatRequest(
         model=b.model,
-        messages=tuple(m.template_message(r) for m, r in zip(b.messages, raw, strict=True)),
+        messages=tuple(m.template_message(r) for m, r in zip(messages, raw, strict=True)),
         add_generation_prompt=b.add_generation_prompt,
         template_kwargs=b.chat_template_kwargs,
         sampling=sampling,

@@ -17,7 +17,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -30,6 +29,7 @@ from pydantic import (
 
 from frontend_svc.errors import ApiError, invalid_parameter
 from frontend_svc.protocol.base import RequestModel, api_error
+from frontend_svc.protocol.fields import Bool
 
 # Inputs (texts, or token-id prompts) in one request: OpenAI's limit for embeddings, applied
 # to every pooling route (each side of a score request, the documents of a rerank request).
@@ -176,7 +176,7 @@ class _InputBody(_PoolingBody):
             f"(at most {MAX_INPUTS} prompts)."
         ),
     )
-    add_special_tokens: StrictBool = Field(
+    add_special_tokens: Bool = Field(
         True, description="Add the tokenizer's special tokens (BOS, ...) to text inputs."
     )
 
@@ -189,11 +189,11 @@ class _InputBody(_PoolingBody):
 class _ActivationFields(_Body):
     """vLLM's three spellings of "apply the classifier's softmax / sigmoid"."""
 
-    use_activation: StrictBool | None = Field(
+    use_activation: Bool | None = Field(
         None, description="Apply the activation (softmax, or sigmoid with one label). Default on."
     )
-    activation: StrictBool | None = Field(None, description="Older name of use_activation.")
-    softmax: StrictBool | None = Field(None, description="Older name of use_activation.")
+    activation: Bool | None = Field(None, description="Older name of use_activation.")
+    softmax: Bool | None = Field(None, description="Older name of use_activation.")
 
     @property
     def resolved_activation(self) -> bool | None:
@@ -218,8 +218,8 @@ class EmbeddingRequest(_InputBody):
             "one of the model's trained dimensions when it lists them)."
         ),
     )
-    normalize: StrictBool | None = Field(None, description="L2-normalize (default on).")
-    use_activation: StrictBool | None = Field(
+    normalize: Bool | None = Field(None, description="L2-normalize (default on).")
+    use_activation: Bool | None = Field(
         None, description="Newer vLLM's name of normalize for embeddings."
     )
 
@@ -327,9 +327,7 @@ class RerankRequest(_PoolingBody, _ActivationFields):
     top_n: TopN | None = Field(
         None, description="Return only the N most relevant (0 or unset: all)."
     )
-    return_documents: StrictBool = Field(
-        True, description="Include each document's text in its result."
-    )
+    return_documents: Bool = Field(True, description="Include each document's text in its result.")
 
     @field_validator("query", mode="wrap")
     @classmethod

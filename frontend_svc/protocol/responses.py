@@ -27,7 +27,7 @@ from pydantic import AfterValidator, Field, ValidationInfo, WithJsonSchema, mode
 
 from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import NOT_NULL, RequestModel, given, problem, validate
-from frontend_svc.protocol.fields import FAIL_FAST, Bool, Float, Float32Range, Says
+from frontend_svc.protocol.fields import FAIL_FAST, FALSE, Bool, Float, Float32Range, Says
 from frontend_svc.protocol.messages import (
     FunctionDefinition,
     FunctionName,
@@ -147,9 +147,6 @@ Metadata = Annotated[
 ]
 
 
-_FALSE = {"type": "boolean", "const": False}
-
-
 def _not_background(v: bool) -> bool:
     if v:
         raise problem("must be false: this server does not run responses in the background")
@@ -186,7 +183,7 @@ class ResponsesBody(RequestModel):
     user: str | None = None
     store: Bool = Field(True, description="Keep the response for GET and previous_response_id.")
     stream: Bool = False
-    background: Annotated[Bool, AfterValidator(_not_background), WithJsonSchema(_FALSE)] | None = (
+    background: Annotated[Bool, AfterValidator(_not_background), WithJsonSchema(FALSE)] | None = (
         None
     )
     conversation: Annotated[None, Says("is not supported (use previous_response_id)")] = None

@@ -27,7 +27,7 @@ from pydantic import AfterValidator, Discriminator, Field, PlainValidator, Tag, 
 
 from frontend_svc.protocol.base import RequestModel, problem
 from frontend_svc.protocol.fields import FAIL_FAST, Says
-from frontend_svc.protocol.messages import FunctionName, _arguments
+from frontend_svc.protocol.messages import FunctionName, call_arguments
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_ONLY = "this model takes no input but text"
@@ -60,7 +60,7 @@ class InputMessage(RequestModel):
 
 
 def _json_text(v: str) -> str:
-    _arguments(v)  # chat's check of a call's arguments: JSON text ("" counts as {})
+    call_arguments(v)  # chat's check of a call's arguments: JSON text ("" counts as {})
     return v
 
 

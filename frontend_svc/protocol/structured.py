@@ -18,6 +18,7 @@ from frontend_svc.errors import invalid_parameter
 from frontend_svc.protocol.base import NOT_NULL, RequestModel, given
 from frontend_svc.protocol.fields import (
     FAIL_FAST,
+    TRUE,
     Bool,
     NonBlank,
     Says,
@@ -94,7 +95,7 @@ class StructuredOutputsParams(RequestModel):
     request's other constraints: at most one per request)."""
 
     schema_rules: ClassVar[tuple[dict[str, Any], ...]] = (
-        {"anyOf": [given(k, {"const": True} if k == "json_object" else NOT_NULL) for k in _KINDS]},
+        {"anyOf": [given(k, TRUE if k == "json_object" else NOT_NULL) for k in _KINDS]},
     )
 
     json_: JsonSchema | None = Field(None, alias="json")

@@ -43,6 +43,7 @@ from frontend_svc.generation.run import ChoiceResult, collect, generate, random_
 from frontend_svc.protocol.anthropic import parse_count_tokens, parse_messages
 from frontend_svc.protocol.requests import ChatRequest
 from frontend_svc.reasoning import ReasoningStream
+from frontend_svc.routes.anthropic_errors import PATH, error_body, error_response
 from frontend_svc.routes.common import (
     as_api_error,
     gateway,
@@ -61,13 +62,6 @@ from frontend_svc.text.output_processor import SequenceDelta
 from frontend_svc.tool_parsers import ToolCallStream
 
 logger = logging.getLogger(__name__)
-
-PATH = "/v1/messages"
-
-
-def is_anthropic_path(path: str) -> bool:
-    """Whether ``path`` is one of this API's (its errors then take Anthropic's shape)."""
-    return path == PATH or path.startswith(PATH + "/")
 
 
 async def create_message(request: Request) -> Response:
@@ -309,47 +303,6 @@ async def _stream(
             yield _event(error_body(as_api_error(e, retry_after_s)))
 
     return SSEResponse(events(), watcher=watcher, closing=getattr(deltas, "aclose", None))
-
-
-# Anthropic's error types by HTTP status; any other 4xx is an invalid request, a 5xx an API error.
-_ERROR_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-
-
-def _status(error: ApiError) -> int:
-    """An unavailable engine (503) is Anthropic's 529 ``overloaded_error``, which its clients
-    retry; the rest keep their status."""
-    return 529 if error.status == 503 else error.status
-
-
-def error_body(error: ApiError) -> dict[str, Any]:
-    """``error`` in Anthropic's shape."""
-    status = _status(error)
-    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
-def error_response(error: ApiError, retry_after_s: int) -> JSONResponse:
-    status, body = _status(error), error_body(error)
-    headers = dict(error.headers)
-    if status == 529:
-        headers.setdefault("Retry-After", str(retry_after_s))
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def authentication_error() -> ApiError:
-    """The 401 of a request without the server's API key."""
-    return ApiError(
-        401,
-        "Incorrect or missing API key; send 'x-api-key: <key>' or 'Authorization: Bearer <key>'.",
-        type="authentication_error",
-    )
 
 
 def _failure(request: Request, e: Exception) -> Response:

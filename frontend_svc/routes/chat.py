@@ -70,7 +70,7 @@ async def create_chat_completion(request: Request) -> Response:
     encoded = await encode_chat(prompt_encoder(request), tokenizer, info, req)
     run = chat_run(state, tokenizer, info, req, encoded)
     prepared, kept = run.prompt, run.kept_ids
-    ctx = _Context(
+    ctx = ChatReply(
         req,
         tokenizer,
         random_id("chatcmpl"),
@@ -108,7 +108,10 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(ctx.response(results))
 
 
-class _Context:
+class ChatReply:
+    """The reply to one chat request: whole (:meth:`response`) or as the chunks of a stream
+    (:meth:`chunks` per delta, :meth:`usage_chunk` last)."""
+
     def __init__(
         self,
         req: ChatRequest,

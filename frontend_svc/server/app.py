@@ -19,7 +19,9 @@ from frontend_svc.errors import ApiError, from_engine_error, from_http_status, u
 from frontend_svc.routes import (
     adapters,
     anthropic,
+    anthropic_errors,
     chat,
+    chat_batch,
     completions,
     invocations,
     pooling,
@@ -58,9 +60,10 @@ class ApiKeyMiddleware:
             if not (
                 self.state.api_key_ok(auth) or (key and self.state.api_key_ok(f"Bearer {key}"))
             ):
-                if anthropic.is_anthropic_path(route_path(scope)):
-                    error = anthropic.authentication_error()
-                    response = anthropic.error_response(error, self.state.config.retry_after_s)
+                if anthropic_errors.is_anthropic_path(route_path(scope)):
+                    error = anthropic_errors.authentication_error()
+                    retry_after_s = self.state.config.retry_after_s
+                    response = anthropic_errors.error_response(error, retry_after_s)
                 else:
                     response = unauthorized().response()
                 await response(scope, receive, send)
@@ -87,14 +90,18 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         assert isinstance(exc, ApiError)
         return exc.response()
 
+    def shaped(scope: Scope, error: ApiError) -> Response:
+        """``error`` in the shape of the request's API: Anthropic's on its routes."""
+        if anthropic_errors.is_anthropic_path(route_path(scope)):
+            return anthropic_errors.error_response(error, config.retry_after_s)
+        return error.response()
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)  # the router's 404 and 405
         error = from_http_status(
             exc.status_code, request.method, request.url.path, exc.detail, exc.headers
         )
-        if anthropic.is_anthropic_path(route_path(request.scope)):
-            return anthropic.error_response(error, config.retry_after_s)
-        return error.response()
+        return shaped(request.scope, error)
 
     async def engine_error(request: Request, exc: Exception) -> Response:
         return from_engine_error(exc, config.retry_after_s).response()
@@ -108,8 +115,9 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         Route("/v1/models/{model:path}", system.retrieve_model, methods=["GET"]),
         Route("/v1/completions", completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
-        Route(anthropic.PATH, anthropic.create_message, methods=["POST"]),
-        Route(f"{anthropic.PATH}/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        Route(chat_batch.PATH, chat_batch.create_chat_completion_batch, methods=["POST"]),
+        Route(anthropic_errors.PATH, anthropic.create_message, methods=["POST"]),
+        Route(f"{anthropic_errors.PATH}/count_tokens", anthropic.count_tokens, methods=["POST"]),
         *responses.routes(config),
         Route("/v1/embeddings", pooling.create_embedding, methods=["POST"]),
         Route("/pooling", pooling.create_pooling, methods=["POST"]),
@@ -166,7 +174,10 @@ def build_app(config: FrontendConfig, freeze_gc_heap: bool = False) -> Starlette
         app.add_middleware(ApiKeyMiddleware, state=state)
     # added last, so outermost: a huge header is a 431 even without a valid key
     app.add_middleware(
-        RequestLimitsMiddleware, limits=config.limits, retry_after_s=config.retry_after_s
+        RequestLimitsMiddleware,
+        limits=config.limits,
+        retry_after_s=config.retry_after_s,
+        respond=shaped,
     )
     if config.root_path:
         app.add_middleware(RootPathMiddleware, root_path=config.root_path)

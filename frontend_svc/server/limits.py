@@ -12,12 +12,14 @@ so heads in between get a proper 431 here.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend_svc.config import LimitsConfig
-from frontend_svc.errors import body_too_large, headers_too_large
+from frontend_svc.errors import ApiError, body_too_large, headers_too_large
 from protos.native_memory import trim_heap
 
 HEAD_HARD_BOUND_FACTOR = 8  # uvicorn drops heads over 8x --max-header-bytes without the app
@@ -29,11 +31,27 @@ def uvicorn_options(limits: LimitsConfig) -> dict[str, Any]:
     return {"h11_max_incomplete_event_size": HEAD_HARD_BOUND_FACTOR * limits.max_header_bytes}
 
 
-class RequestLimitsMiddleware:
-    """431 for big heads, 413 for big bodies, and a Retry-After header on every 503."""
+# The response to an error answered here, in the shape the request's route speaks.
+ErrorResponse = Callable[[Scope, ApiError], Response]
 
-    def __init__(self, app: ASGIApp, limits: LimitsConfig, retry_after_s: int) -> None:
+
+def _openai_shape(scope: Scope, error: ApiError) -> Response:
+    return error.response()
+
+
+class RequestLimitsMiddleware:
+    """431 for big heads, 413 for big bodies, and a Retry-After header on every 503.
+    ``respond``: the error's response for the request (default: OpenAI's shape)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: LimitsConfig,
+        retry_after_s: int,
+        respond: ErrorResponse = _openai_shape,
+    ) -> None:
         self.app = app
+        self.respond = respond
         self.max_body = limits.max_body_bytes
         self.max_head = limits.max_header_bytes
         self.retry_after = str(retry_after_s).encode()
@@ -44,11 +62,11 @@ class RequestLimitsMiddleware:
             return
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if sum(len(k) + len(v) + 4 for k, v in headers) > self.max_head:
-            await headers_too_large(self.max_head).response()(scope, receive, send)
+            await self.respond(scope, headers_too_large(self.max_head))(scope, receive, send)
             return
         length = next((v for k, v in headers if k == b"content-length"), None)
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            await body_too_large(self.max_body).response()(scope, receive, send)
+            await self.respond(scope, body_too_large(self.max_body))(scope, receive, send)
             return
         received = [0]
         try:
@@ -64,7 +82,8 @@ class RequestLimitsMiddleware:
             if message["type"] == "http.request":
                 received[0] += len(message.get("body", b""))
                 if received[0] > self.max_body:
-                    raise body_too_large(self.max_body)  # the route's read fails; answered 413
+                    # the route's read fails; answered 413 by the route (in its shape)
+                    raise body_too_large(self.max_body)
             return message
 
         return capped_receive

@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 
 from frontend_svc.protocol.adapters import LoadLoraAdapterBody, UnloadLoraAdapterBody
 from frontend_svc.protocol.anthropic import CountTokensBody, MessagesBody
+from frontend_svc.protocol.chat_batch import ChatBatchBody
 from frontend_svc.protocol.models import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from frontend_svc.protocol.pooling import (
     ClassificationRequest,
@@ -53,6 +54,7 @@ GENERATION_ERRORS = (*JSON_BODY_ERRORS, 429)
 # What an adapter or utility call fanned out to the engines can answer besides its own 4xx.
 ENGINE_CALL_ERRORS = (500, 501, 503)
 OK: dict[str, Any] = {"description": "OK"}
+_JSON_OK: dict[str, Any] = {"content": {"application/json": {"schema": {"type": "object"}}}}
 STREAMABLE_OK: dict[str, Any] = {
     "description": "A JSON response, or with stream=true an SSE stream of chunks ending in "
     "`data: [DONE]`",
@@ -107,7 +109,7 @@ class Operation:
     public: bool = False
     path_params: tuple[str, ...] = ()
     query_params: tuple[tuple[str, dict[str, Any]], ...] = ()
-    anthropic: bool = False  # errors in Anthropic's shape (those of the HTTP layer: either)
+    anthropic: bool = False  # errors in Anthropic's shape
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -134,6 +136,14 @@ OPERATIONS: tuple[Operation, ...] = (
         ChatBody,
         GENERATION_ERRORS,
         ok=STREAMABLE_OK,
+    ),
+    Operation(
+        "/v1/chat/completions/batch",
+        "post",
+        "Create a chat completion per conversation, several in one request (vLLM)",
+        ChatBatchBody,
+        GENERATION_ERRORS,
+        ok={"description": "A chat completion with choice i for conversation i", **_JSON_OK},
     ),
     Operation(
         "/v1/responses",
@@ -366,11 +376,8 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _error(code: int, anthropic: bool = False) -> dict[str, Any]:
-    if not anthropic:
-        return {"description": ERROR_TEXT[code], **_json(_ERROR)}
-    # 413 and 431 may come from the HTTP limits, before the route: in the OpenAI shape
-    schema = {"anyOf": [_ANTHROPIC_ERROR, _ERROR]} if code in (413, 431) else _ANTHROPIC_ERROR
-    return {"description": ERROR_TEXT[code], **_json(schema)}
+    # Anthropic's shape on its routes, from the HTTP limits (413, 431) and the key check too
+    return {"description": ERROR_TEXT[code], **_json(_ANTHROPIC_ERROR if anthropic else _ERROR)}
 
 
 def _object(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:

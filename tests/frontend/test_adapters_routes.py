@@ -268,7 +268,7 @@ def test_a_bad_directory_is_400_naming_the_file_and_the_rest_still_serve(
         ({"lora_name": "", "lora_path": "/x"}, "lora_name"),
         ({"lora_name": 7, "lora_path": "/x"}, "lora_name"),
         ({"lora_name": "x" * 129, "lora_path": "/x"}, "lora_name"),
-        ({"lora_name": "x", "lora_path": "/x", "pin": "yes"}, "pin"),
+        ({"lora_name": "x", "lora_path": "/x", "pin": "yes please"}, "pin"),
         ({"lora_name": MODEL_NAME, "lora_path": "/x"}, "lora_name"),
     ],
 )

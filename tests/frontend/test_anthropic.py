@@ -6,7 +6,6 @@ disconnect storm that leaves no request running on the engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from tokenizers import Tokenizer
 from tests.frontend.conftest import make_engine
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer, wait_for
-from tests.frontend.tiny_tokenizer import EOS
+from tests.frontend.helpers_chat import anthropic_client, prompt_ids, prompt_text, script
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,30 +26,9 @@ USER: Any = [{"role": "user", "content": "Hi"}]
 TEXT = "Hello world! The quick brown fox jumps over the lazy dog."
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer_dir: Path, hf_tokenizer: Tokenizer) -> Iterator[FakeEngine]:
-    e = make_engine(tokenizer_dir, hf_tokenizer)
-    e.start()
-    yield e
-    e.stop()
-
-
 @pytest.fixture()
 def client(gateway: GatewayServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=10)
-
-
-def script(engine: FakeEngine, hf_tok: Tokenizer, text: str, eos: bool = True) -> list[int]:
-    """Make the engine write ``text`` (then EOS); returns the ids of ``text``."""
-    ids = hf_tok.encode(text, add_special_tokens=False).ids
-    engine.script = [*ids, hf_tok.token_to_id(EOS)] if eos else list(ids)
-    return list(ids)
-
-
-def prompt_of(engine: FakeEngine, hf_tok: Tokenizer, message_id: str) -> tuple[list[int], str]:
-    """The prompt the engine got for a message: its ids and their text."""
-    ids = list(engine.add_messages[f"{message_id}-0"].prompt_token_ids)
-    return ids, hf_tok.decode(ids, skip_special_tokens=False)
+    return anthropic_client(gateway)
 
 
 def post(gateway: GatewayServer, body: Any, path: str = "/v1/messages", **kw: Any) -> Any:
@@ -96,7 +74,7 @@ def test_text_reply_with_a_system_prompt(
     assert m.model == MODEL_NAME
     assert [(b.type, getattr(b, "text", None)) for b in m.content] == [("text", TEXT)]
     assert (m.stop_reason, m.stop_sequence) == ("end_turn", None)
-    prompt, text = prompt_of(engine, hf_tokenizer, m.id)
+    prompt, text = prompt_ids(engine, m.id), prompt_text(engine, hf_tokenizer, m.id)
     assert text.startswith("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi")
     assert text.endswith("<|im_start|>assistant\n")
     assert m.usage.input_tokens == len(prompt)
@@ -120,7 +98,7 @@ def test_system_as_text_blocks_and_content_as_blocks(
             },
         ],
     )
-    _, text = prompt_of(engine, hf_tokenizer, m.id)
+    text = prompt_text(engine, hf_tokenizer, m.id)
     assert "system\nBe brief.\nBe kind.<|im_end|>" in text
     assert "user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n" in text
     assert text.endswith("user\nA\nB<|im_end|>\n<|im_start|>assistant\n")
@@ -133,7 +111,7 @@ def test_a_last_assistant_message_is_continued(
     script(engine, hf_tokenizer, " world!")
     messages: Any = [*USER, {"role": "assistant", "content": "Hello"}]
     m = client.messages.create(model=MODEL_NAME, max_tokens=10, messages=messages)
-    _, text = prompt_of(engine, hf_tokenizer, m.id)
+    text = prompt_text(engine, hf_tokenizer, m.id)
     assert text.endswith("<|im_start|>assistant\nHello")  # no new turn, no end of the message
     assert m.content[0].type == "text" and m.content[0].text == " world!"
 
@@ -208,7 +186,7 @@ def test_stream_to_a_final_message(
     assert final.id.startswith("msg_") and final.model == MODEL_NAME
     assert [(b.type, getattr(b, "text", None)) for b in final.content] == [("text", TEXT)]
     assert (final.stop_reason, final.stop_sequence) == ("end_turn", None)
-    prompt, _ = prompt_of(engine, hf_tokenizer, final.id)
+    prompt = prompt_ids(engine, final.id)
     assert final.usage.input_tokens == len(prompt)
     assert final.usage.output_tokens == len(ids) + 1
 
@@ -278,7 +256,7 @@ def test_count_tokens_is_the_prompt_the_engine_gets(
     }
     counted = client.messages.count_tokens(**fields).input_tokens
     m = client.messages.create(max_tokens=5, **fields)
-    prompt, _ = prompt_of(engine, hf_tokenizer, m.id)
+    prompt = prompt_ids(engine, m.id)
     assert counted == len(prompt) == m.usage.input_tokens
     assert client.messages.count_tokens(model=MODEL_NAME, messages=USER).input_tokens < counted
 
@@ -340,7 +318,7 @@ def _user(*blocks: Any) -> Any:
         ({**OK, "messages": [{"role": "bot", "content": "x"}]}, ["'messages[0]'", "'role'"]),
         ({**OK, "messages": [{"role": "user", "content": 5}]}, ["'messages[0].content' must"]),
         ({**OK, "temperature": "hot"}, ["'temperature' must be a number"]),
-        ({**OK, "stream": "yes"}, ["'stream' must be a boolean"]),
+        ({**OK, "stream": "sometimes"}, ["'stream' must be a boolean"]),
         ({**OK, "stop_sequences": [1]}, ["'stop_sequences' must be"]),
         ({**OK, "system": 5}, ["'system' must be a string or a list"]),
         ({**OK, "tool_choice": {"type": "any"}}, ["'tool_choice' needs 'tools'"]),

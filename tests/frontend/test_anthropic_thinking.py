@@ -6,20 +6,26 @@ a reasoning parser the tags stay text."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from tests.chat_templates import QWEN3_THINKING_TEMPLATE
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
-from tests.frontend.tiny_tokenizer import EOS, build_tiny_tokenizer
+from tests.frontend.helpers_chat import (
+    anthropic_client,
+    hf_tokenizer_of,
+    lazy_gateways,
+    prompt_text,
+    qwen_tokenizer_dir,
+    script,
+    serve_engine,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,61 +44,36 @@ CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the prompt of enabl
 @pytest.fixture(scope="module")
 def think_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3's vocabulary shape: think tags plain added tokens, tool-call tags special ones."""
-    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("think_tokenizer"))
-    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN3_THINKING_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return qwen_tokenizer_dir(
+        tmp_path_factory, "think_tokenizer", QWEN3_THINKING_TEMPLATE, think=True
+    )
 
 
 @pytest.fixture(scope="module")
 def hf_tok(think_tokenizer_dir: Path) -> HFTokenizer:
-    return HFTokenizer.from_file(str(think_tokenizer_dir / "tokenizer.json"))
+    return hf_tokenizer_of(think_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def engine(think_tokenizer_dir: Path, hf_tok: HFTokenizer) -> Iterator[FakeEngine]:
-    e = FakeEngine(think_tokenizer_dir, [0], vocab_size=hf_tok.get_vocab_size(), max_model_len=2048)
-    e.start()
-    yield e
-    e.stop()
+    yield from serve_engine(think_tokenizer_dir, hf_tok)
 
 
 @pytest.fixture(scope="module")
 def gateways(engine: FakeEngine) -> Iterator[dict[bool, GatewayServer]]:
     """With (True) and without (False) ``--reasoning-parser qwen3``; hermes tool calls both."""
-    started = {
-        parsing: GatewayServer(
-            engine.address,
-            reasoning_parser="qwen3" if parsing else None,
-            tool_call_parser="hermes",
-            enable_auto_tool_choice=True,
-        ).start()
-        for parsing in (True, False)
-    }
-    for g in started.values():
-        g.wait_healthy()
-    yield started
-    for g in started.values():
-        g.stop()
+    yield from lazy_gateways(
+        engine,
+        lambda parsing: {
+            "reasoning_parser": "qwen3" if parsing else None,
+            "tool_call_parser": "hermes",
+            "enable_auto_tool_choice": True,
+        },
+    )
 
 
 def client_of(gateways: dict[bool, GatewayServer], parsing: bool = True) -> anthropic.Anthropic:
-    url = gateways[parsing].url
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=10)
-
-
-def script(engine: FakeEngine, hf_tok: HFTokenizer, text: str) -> None:
-    engine.script = [*hf_tok.encode(text, add_special_tokens=False).ids, hf_tok.token_to_id(EOS)]
-
-
-def prompt_text(engine: FakeEngine, hf_tok: HFTokenizer, message_id: str) -> str:
-    ids = engine.add_messages[f"{message_id}-0"].prompt_token_ids
-    return hf_tok.decode(list(ids), skip_special_tokens=False)
+    return anthropic_client(gateways[parsing])
 
 
 def blocks(message: Any) -> list[tuple[str, Any]]:

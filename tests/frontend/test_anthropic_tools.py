@@ -6,7 +6,6 @@ tools the template writes."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,13 +13,19 @@ from typing import Any
 import anthropic
 import orjson
 import pytest
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from tests.chat_templates import QWEN_TOOLS_TEMPLATE
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
-from tests.frontend.tiny_tokenizer import EOS, build_tiny_tokenizer
+from tests.frontend.helpers_chat import (
+    anthropic_client,
+    hf_tokenizer_of,
+    prompt_text,
+    qwen_tokenizer_dir,
+    script,
+    serve_engine,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,27 +48,17 @@ NOW = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 @pytest.fixture(scope="module")
 def tool_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen's shape: <tool_call> tags as special tokens, a template that renders tools."""
-    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"))
-    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN_TOOLS_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return qwen_tokenizer_dir(tmp_path_factory, "tool_tokenizer", QWEN_TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def hf_tok(tool_tokenizer_dir: Path) -> HFTokenizer:
-    return HFTokenizer.from_file(str(tool_tokenizer_dir / "tokenizer.json"))
+    return hf_tokenizer_of(tool_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def engine(tool_tokenizer_dir: Path, hf_tok: HFTokenizer) -> Iterator[FakeEngine]:
-    e = FakeEngine(tool_tokenizer_dir, [0], vocab_size=hf_tok.get_vocab_size(), max_model_len=2048)
-    e.start()
-    yield e
-    e.stop()
+    yield from serve_engine(tool_tokenizer_dir, hf_tok)
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +71,7 @@ def gateway(engine: FakeEngine) -> Iterator[GatewayServer]:
 
 @pytest.fixture()
 def client(gateway: GatewayServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=10)
-
-
-def script(engine: FakeEngine, hf_tok: HFTokenizer, text: str, eos: bool = True) -> None:
-    ids = hf_tok.encode(text, add_special_tokens=False).ids
-    engine.script = [*ids, hf_tok.token_to_id(EOS)] if eos else ids
-
-
-def prompt_text(engine: FakeEngine, hf_tok: HFTokenizer, message_id: str) -> str:
-    ids = engine.add_messages[f"{message_id}-0"].prompt_token_ids
-    return hf_tok.decode(list(ids), skip_special_tokens=False)
+    return anthropic_client(gateway)
 
 
 def blocks(message: Any) -> list[tuple[str, Any]]:

@@ -1,6 +1,6 @@
-"""Hostile or odd HTTP input: every case is a 4xx in the OpenAI error shape, and the gateway
-keeps serving afterwards (deep JSON, huge bodies and headers, wrong content types, too many stop
-strings, unknown routes, float32 underflow, integral floats)."""
+"""Hostile or odd HTTP input: every case is a 4xx in the OpenAI error shape (Anthropic's on its
+routes), and the gateway keeps serving afterwards (deep JSON, huge bodies and headers, wrong
+content types, too many stop strings, unknown routes, float32 underflow, integral floats)."""
 
 from __future__ import annotations
 
@@ -237,6 +237,56 @@ def test_huge_header_is_431(gateway: GatewayServer) -> None:
     assert_still_serving(gateway)
 
 
+def assert_anthropic_error(status: int, body: bytes, got: int, kind: str) -> str:
+    """An error in Anthropic's shape (its routes answer so, the HTTP limits' errors too)."""
+    assert got == status, body[:300]
+    parsed = json.loads(body)
+    assert parsed["type"] == "error" and set(parsed) == {"type", "error"}, parsed
+    assert set(parsed["error"]) == {"type", "message"} and parsed["error"]["type"] == kind
+    return str(parsed["error"]["message"])
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_limits_on_anthropic_routes_answer_in_anthropic_shape(
+    gateway: GatewayServer, path: str
+) -> None:
+    """413 (announced or streamed past the cap) and 431 on /v1/messages are Anthropic's
+    errors, as the route's own are: its clients read no other shape."""
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=5)
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(10**9))
+    conn.endheaders()
+    r = conn.getresponse()
+    message = assert_anthropic_error(413, r.read(), r.status, "request_too_large")
+    assert "4194304" in message
+    conn.close()
+
+    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n".encode()
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b"x" * 65536
+    frame = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    sent = 0
+    try:
+        while sent < 256 * 2**20 and not select.select([sock], [], [], 0)[0]:
+            sock.sendall(frame)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    status, headers, body = read_response(sock)
+    sock.close()
+    assert_anthropic_error(413, body, status, "request_too_large")
+    assert headers.get("connection") == "close"
+
+    r2 = httpx.post(f"{gateway.url}{path}", json={}, headers={"x-junk": "a" * 100_000}, timeout=10)
+    message = assert_anthropic_error(431, r2.content, r2.status_code, "invalid_request_error")
+    assert "headers are larger" in message
+    assert_still_serving(gateway)
+
+
 # --- 4. unknown routes, wrong methods, context length, Retry-After ---
 
 
@@ -432,6 +482,14 @@ def test_the_cap_is_configurable(small_gateway: GatewayServer) -> None:
     body = {**OK_BODY, "user": "x" * 2000}
     error = assert_error(post(small_gateway, "/v1/completions", body), 413)
     assert "2000 bytes" in str(error["message"])
+    messages = {
+        "model": MODEL_NAME,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    r = post(small_gateway, "/v1/messages", {**messages, "metadata": {"user_id": "x" * 2000}})
+    message = assert_anthropic_error(413, r.content, r.status_code, "request_too_large")
+    assert "2000 bytes" in message
     assert_still_serving(small_gateway)
 
 

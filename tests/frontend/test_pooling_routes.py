@@ -259,7 +259,7 @@ LONG_TEXT = "Hello world! The quick brown fox jumps over the lazy dog. " * 20  #
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
         ({"input": "a", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
         ({"input": "a", "dimensions": 2.5}, "dimensions", "integer"),
-        ({"input": "a", "normalize": "yes"}, "normalize", "boolean"),
+        ({"input": "a", "normalize": "yes please"}, "normalize", "boolean"),
         ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
         ({"input": "a", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens", "(256)"),
         ({"input": "a", "priority": 2**31}, "priority", "less than or equal"),

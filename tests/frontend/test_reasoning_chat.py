@@ -13,14 +13,21 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from tests.chat_templates import QWEN3_THINKING_TEMPLATE
 from tests.frontend.conftest import make_engine
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
-from tests.frontend.tiny_tokenizer import EOS, build_tiny_tokenizer
+from tests.frontend.helpers_chat import (
+    hf_tokenizer_of,
+    lazy_gateways,
+    qwen_tokenizer_dir,
+    script,
+    serve_engine,
+    token_id,
+)
+from tests.frontend.tiny_tokenizer import EOS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,34 +53,19 @@ TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 @pytest.fixture(scope="module")
 def think_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("think_tokenizer"))
-    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN3_THINKING_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return qwen_tokenizer_dir(
+        tmp_path_factory, "think_tokenizer", QWEN3_THINKING_TEMPLATE, think=True
+    )
 
 
 @pytest.fixture(scope="module")
 def hf_tok(think_tokenizer_dir: Path) -> HFTokenizer:
-    return HFTokenizer.from_file(str(think_tokenizer_dir / "tokenizer.json"))
+    return hf_tokenizer_of(think_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def engine(think_tokenizer_dir: Path, hf_tok: HFTokenizer) -> Iterator[FakeEngine]:
-    e = FakeEngine(
-        think_tokenizer_dir,
-        [0],
-        vocab_size=hf_tok.get_vocab_size(),
-        max_model_len=2048,
-        step_s=0.001,
-    )
-    e.start()
-    yield e
-    e.stop()
+    yield from serve_engine(think_tokenizer_dir, hf_tok, step_s=0.001)
 
 
 Flags = tuple[str | None, str | None]  # (--reasoning-parser, --tool-call-parser)
@@ -81,38 +73,15 @@ Flags = tuple[str | None, str | None]  # (--reasoning-parser, --tool-call-parser
 
 @pytest.fixture(scope="module")
 def gateways(engine: FakeEngine) -> Iterator[dict[Flags, GatewayServer]]:
-    """A gateway per pair of parsers, started when first used."""
-    started: dict[Flags, GatewayServer] = {}
+    def config(flags: Flags) -> dict[str, Any]:
+        reasoning, tools = flags
+        return {
+            "reasoning_parser": reasoning,
+            "tool_call_parser": tools,
+            "enable_auto_tool_choice": tools is not None,
+        }
 
-    class Lazy(dict[Flags, GatewayServer]):
-        def __missing__(self, flags: Flags) -> GatewayServer:
-            reasoning, tools = flags
-            g = started[flags] = GatewayServer(
-                engine.address,
-                reasoning_parser=reasoning,
-                tool_call_parser=tools,
-                enable_auto_tool_choice=tools is not None,
-            ).start()
-            g.wait_healthy()
-            return g
-
-    yield Lazy()
-    for g in started.values():
-        g.stop()
-
-
-def token_id(hf_tok: HFTokenizer, text: str) -> int:
-    """The id of ``text``, one token in the vocabulary."""
-    i = hf_tok.token_to_id(text)
-    assert i is not None, text
-    return int(i)
-
-
-def script(engine: FakeEngine, hf_tok: HFTokenizer, text: str) -> list[int]:
-    """Make the engine write ``text`` and then EOS; returns the ids of ``text``."""
-    ids = hf_tok.encode(text, add_special_tokens=False).ids
-    engine.script = [*ids, token_id(hf_tok, EOS)]
-    return list(ids)
+    yield from lazy_gateways(engine, config)
 
 
 def post(gateway: GatewayServer, **body: Any) -> dict[str, Any]:

@@ -227,3 +227,30 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt(
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     usage = chunks[-1].usage
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (n, 0)
+
+
+def test_booleans_sent_as_strings_or_numbers_are_read_as_vllm_reads_them(
+    client: openai.OpenAI, gateway: GatewayServer
+) -> None:
+    """``"logprobs": "true"`` (pydantic's lax bool, as vLLM's models read it) asks for logprobs;
+    "off" and 0 do not; a string outside vLLM's words is still a 400 naming the field."""
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"logprobs": "true", "top_logprobs": 1, "echo": "No"},
+    )
+    assert r.choices[0].logprobs is not None and len(r.choices[0].logprobs.content or []) == 2
+    for off in ("off", 0, "FALSE"):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=2, extra_body={"logprobs": off}
+        )
+        assert r.choices[0].logprobs is None
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "stream": "Y"}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=10) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        assert "data: [DONE]" in s.read().decode()
+    message = assert_400(
+        post(gateway, "/v1/chat/completions", {**body, "stream": "sure"}), "stream"
+    )
+    assert message == "'stream' must be a boolean."

@@ -1,7 +1,7 @@
 """The request models (frontend_svc.protocol): null read as absent, extras ignored, JSON's
-number types kept strict, errors that name the place, 32-bit float bounds stated exactly, the
-tool and cross-field rules, and /openapi.json made of the models' schemas (one table entry per
-route)."""
+number types kept strict, booleans read as vLLM reads them, errors that name the place, 32-bit
+float bounds stated exactly, the tool and cross-field rules, and /openapi.json made of the
+models' schemas (one table entry per route)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from frontend_svc.errors import ApiError
@@ -57,8 +59,10 @@ def test_null_is_absent_and_extras_are_ignored() -> None:
         ("n", "2", "'n' must be an integer."),
         ("n", 2.5, "'n' must be an integer."),
         ("max_tokens", [1], "'max_tokens' must be an integer."),
-        ("stream", 1, "'stream' must be a boolean."),
-        ("stream", "true", "'stream' must be a boolean."),
+        ("stream", 2, "'stream' must be a boolean."),
+        ("stream", "maybe", "'stream' must be a boolean."),
+        ("stream", " true", "'stream' must be a boolean."),
+        ("stream", 0.5, "'stream' must be a boolean."),
         ("temperature", "0.5", "'temperature' must be a number."),
         ("temperature", False, "'temperature' must be a number."),
         ("echo", None, None),  # null: the default
@@ -70,6 +74,21 @@ def test_json_types_are_strict(field: str, value: Any, phrase: str | None) -> No
         return
     error = refused(completion, **{field: value})
     assert (error.param, error.message) == (field, phrase)
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        *((v, True) for v in (True, 1, 1.0, "true", "TRUE", "True", "t", "yes", "Y", "on", "1")),
+        *((v, False) for v in (False, 0, 0.0, "false", "F", "no", "N", "off", "OFF", "0")),
+    ],
+)
+def test_booleans_are_read_as_vllm_reads_them(value: Any, read: bool) -> None:
+    """pydantic's lax bool, as vLLM's request models have it: "logprobs": "true" is true."""
+    assert chat(logprobs=value).logprobs is read
+    assert completion(echo=value, max_tokens=1).echo is read
+    options = completion(stream=True, stream_options={"include_usage": value}).options
+    assert options.include_usage is read
 
 
 def test_integral_floats_are_integers() -> None:
@@ -99,7 +118,7 @@ def test_an_integer_json_cannot_hold_exactly_is_refused() -> None:
         (completion, {"stop": ["a", 3]}, "stop", "'stop' must be a string or a list of strings."),
         (
             completion,
-            {"stream": True, "stream_options": {"include_usage": 1}},
+            {"stream": True, "stream_options": {"include_usage": 2}},
             "stream_options",
             "'stream_options.include_usage' must be a boolean.",
         ),
@@ -196,7 +215,7 @@ TOOL_ERRORS: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": [TIME, TIME]}, "tools", "'tools' has two functions named 'get_time'."),
     ({"tools": [{"function": {"name": "f", "description": 1}}]}, "tools", "description"),
     ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools", "parameters"),
-    ({"tools": [{"function": {"name": "f", "strict": "yes"}}]}, "tools", "strict"),
+    ({"tools": [{"function": {"name": "f", "strict": "strictly"}}]}, "tools", "strict"),
     ({"tools": [TIME], "tool_choice": "always"}, "tool_choice", "must be 'none', 'auto'"),
     ({"tools": [TIME], "tool_choice": 1}, "tool_choice", "must be 'none', 'auto'"),
     ({"tools": [TIME], "tool_choice": {"type": "function"}}, "tool_choice", "function' is req"),
@@ -215,7 +234,7 @@ TOOL_ERRORS: list[tuple[dict[str, Any], str, str]] = [
     ({"tool_choice": "required"}, "tool_choice", "'tool_choice' needs 'tools'."),
     ({"tools": [], "tool_choice": "required"}, "tool_choice", "at least one tool"),
     ({"tool_choice": "auto"}, "tool_choice", "'tool_choice' needs 'tools'."),
-    ({"tools": [TIME], "parallel_tool_calls": "false"}, "parallel_tool_calls", "boolean"),
+    ({"tools": [TIME], "parallel_tool_calls": "nope"}, "parallel_tool_calls", "boolean"),
     ({"tools": [TIME], "guided_regex": "a", "tool_choice": NAMED}, "guided_regex", "not both"),
     (
         {"tools": [TIME], "response_format": {"type": "json_object"}, "tool_choice": "required"},
@@ -295,6 +314,25 @@ CROSS_FIELD: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ),
     ("/tokenize", {"prompt": "x", "messages": USER}, {"prompt": "x"}, "prompt"),
     ("/tokenize", {}, {"messages": USER}, "prompt"),
+    # booleans as strings or 0/1 (vLLM's reading), in the rules across fields too
+    (
+        "/v1/chat/completions",
+        {"top_logprobs": 2, "logprobs": "off"},
+        {"top_logprobs": 2, "logprobs": "On"},
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"continue_final_message": "yes", "add_generation_prompt": 1},
+        {"continue_final_message": "yes", "add_generation_prompt": "No"},
+        "continue_final_message",
+    ),
+    (
+        "/v1/completions",
+        {"stream": "0", "stream_options": {"include_usage": True}},
+        {"stream": "t", "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
 ]
 
 
@@ -320,6 +358,36 @@ def test_cross_field_rules_are_in_the_schema(
     with pytest.raises(ApiError) as e:
         parse({**base, **bad})
     assert e.value.param == param
+
+
+def _cased(word: str, mask: int) -> str:
+    """``word`` with the letters whose bit is set in ``mask`` upper-cased."""
+    return "".join(c.upper() if mask >> i & 1 else c for i, c in enumerate(word))
+
+
+_WORDS = ["true", "false", "yes", "no", "on", "off", "t", "f", "y", "n", "1", "0", "2", "tru"]
+
+
+@given(
+    st.one_of(
+        st.booleans(),
+        st.integers(-3, 3),
+        st.sampled_from([0.0, 1.0, -0.0, 0.5, 2.0, 1e300]),
+        st.tuples(st.sampled_from(_WORDS), st.integers(0, 31)).map(lambda t: _cased(*t)),
+        st.sampled_from([" true", "true ", "true\n", "", "\u0130", None, [], {}]),
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_the_boolean_schema_is_what_is_accepted(value: Any) -> None:
+    """A boolean field's JSON schema holds exactly the values its validation takes."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = ChatBody.model_json_schema()["properties"]["logprobs"]
+    accepted = True
+    try:
+        parse_chat({"model": "m", "messages": USER, "logprobs": value}, 5, True)
+    except ApiError:
+        accepted = False
+    assert jsonschema.Draft202012Validator(schema).is_valid(value) == accepted, value
 
 
 def test_request_bodies_are_the_models_schemas() -> None:

@@ -250,7 +250,7 @@ def test_continuous_usage_stats(gateway: GatewayServer, hf_tokenizer: Tokenizer)
         "model": MODEL_NAME,
         "prompt": PROMPT,
         "stream": True,
-        "stream_options": {"continuous_usage_stats": "yes"},
+        "stream_options": {"continuous_usage_stats": "yes please"},
     }
     assert_400(post(gateway, "/v1/completions", bad), "stream_options")
 

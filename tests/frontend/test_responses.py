@@ -14,12 +14,19 @@ import httpx
 import openai
 import pydantic
 import pytest
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer, wait_for
-from tests.frontend.tiny_tokenizer import EOS, build_tiny_tokenizer
+from tests.frontend.helpers_chat import (
+    hf_tokenizer_of,
+    lazy_gateways,
+    openai_client,
+    prompt_text,
+    qwen_tokenizer_dir,
+    script,
+    serve_engine,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,30 +96,17 @@ SCHEMA: Any = {
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("responses_tokenizer"))
-    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return qwen_tokenizer_dir(tmp_path_factory, "responses_tokenizer", TEMPLATE, think=True)
 
 
 @pytest.fixture(scope="module")
 def hf_tok(tokenizer_dir: Path) -> HFTokenizer:
-    return HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return hf_tokenizer_of(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def engine(tokenizer_dir: Path, hf_tok: HFTokenizer) -> Iterator[FakeEngine]:
-    e = FakeEngine(
-        tokenizer_dir, [0], vocab_size=hf_tok.get_vocab_size(), max_model_len=2048, step_s=0.001
-    )
-    e.start()
-    yield e
-    e.stop()
+    yield from serve_engine(tokenizer_dir, hf_tok, step_s=0.001)
 
 
 Flags = tuple[tuple[str, Any], ...]  # GatewayServer config fields
@@ -121,17 +115,7 @@ Flags = tuple[tuple[str, Any], ...]  # GatewayServer config fields
 @pytest.fixture(scope="module")
 def gateways(engine: FakeEngine) -> Iterator[dict[Flags, GatewayServer]]:
     """A gateway per set of flags, started when first used."""
-    started: dict[Flags, GatewayServer] = {}
-
-    class Lazy(dict[Flags, GatewayServer]):
-        def __missing__(self, flags: Flags) -> GatewayServer:
-            g = started[flags] = GatewayServer(engine.address, **dict(flags)).start()
-            g.wait_healthy()
-            return g
-
-    yield Lazy()
-    for g in started.values():
-        g.stop()
+    yield from lazy_gateways(engine, dict)
 
 
 PLAIN: Flags = ()
@@ -141,21 +125,7 @@ BOTH: Flags = (*HERMES, *QWEN3)
 
 
 def client_of(gateways: dict[Flags, GatewayServer], flags: Flags = PLAIN) -> openai.OpenAI:
-    url = f"{gateways[flags].url}/v1"
-    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=10)
-
-
-def script(engine: FakeEngine, hf_tok: HFTokenizer, text: str, eos: bool = True) -> list[int]:
-    """Make the engine write ``text`` (then EOS); returns the ids of ``text``."""
-    ids = hf_tok.encode(text, add_special_tokens=False).ids
-    engine.script = [*ids, hf_tok.token_to_id(EOS)] if eos else ids
-    return list(ids)
-
-
-def prompt_of(engine: FakeEngine, hf_tok: HFTokenizer, response_id: str) -> str:
-    """The prompt the engine received for a response, as text."""
-    ids = engine.add_messages[f"{response_id}-0"].prompt_token_ids
-    return str(hf_tok.decode(list(ids), skip_special_tokens=False))
+    return openai_client(gateways[flags])
 
 
 def create(client: openai.OpenAI, **fields: Any) -> Any:
@@ -197,7 +167,7 @@ def test_string_input_with_instructions(
     assert r.output_text == ANSWER
     assert shape(r.output) == [("message", "assistant", "completed", [("output_text", ANSWER, [])])]
     assert r.output[0].id.startswith("msg_")
-    prompt = prompt_of(engine, hf_tok, r.id)
+    prompt = prompt_text(engine, hf_tok, r.id)
     assert prompt.index("<|im_start|>system\nBe brief.<|im_end|>") < prompt.index(
         "<|im_start|>user\nWhat is the answer?<|im_end|>"
     )
@@ -232,7 +202,7 @@ def test_list_input_of_messages_and_parts(
     ]
     r = create(client_of(gateways), input=items)
     assert r.output_text == ANSWER
-    prompt = prompt_of(engine, hf_tok, r.id)
+    prompt = prompt_text(engine, hf_tok, r.id)
     turns = [
         "<|im_start|>system\nAnswer in English.<|im_end|>",  # developer: the system role
         "<|im_start|>user\nPart one.\nPart two.<|im_end|>",
@@ -377,7 +347,7 @@ def test_previous_response_id_continues_the_conversation(
     script(engine, hf_tok, "Second answer.")
     r2 = create(client, input="Second question.", previous_response_id=r1.id)
     assert r2.previous_response_id == r1.id and r2.output_text == "Second answer."
-    prompt = prompt_of(engine, hf_tok, r2.id)
+    prompt = prompt_text(engine, hf_tok, r2.id)
     turns = [
         "<|im_start|>user\nFirst question.<|im_end|>",
         "<|im_start|>assistant\nFirst answer.<|im_end|>",
@@ -391,7 +361,7 @@ def test_previous_response_id_continues_the_conversation(
     script(engine, hf_tok, "Third answer.")
     r3 = create(client, input="Third question.", previous_response_id=r2.id, stream=True)
     final = [e for e in r3 if e.type == "response.completed"][0].response
-    third = prompt_of(engine, hf_tok, final.id)
+    third = prompt_text(engine, hf_tok, final.id)
     assert third.startswith(prompt.removesuffix("<|im_start|>assistant\n"))
     assert "Second answer.<|im_end|>" in third and "Third question." in third
     # input_items lists the call's own input, not the conversation's
@@ -429,7 +399,7 @@ def test_function_call_round_trip(
     result: Any = {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}
     chained = create(client, previous_response_id=r.id, input=[result], tools=[WEATHER])
     assert chained.output_text == "It is sunny."
-    prompt = prompt_of(engine, hf_tok, chained.id)
+    prompt = prompt_text(engine, hf_tok, chained.id)
     assert (
         "<|im_start|>assistant\nLet me check.<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
@@ -540,7 +510,7 @@ def test_reasoning_becomes_a_reasoning_item(
     end = ids.index(hf_tok.token_to_id("</think>"))
     assert r.usage is not None and r.usage.output_tokens_details.reasoning_tokens == end - 1
     assert r.reasoning is not None and r.reasoning.effort == "high"
-    assert "<|im_start|>system\nReasoning: high<|im_end|>" in prompt_of(engine, hf_tok, r.id)
+    assert "<|im_start|>system\nReasoning: high<|im_end|>" in prompt_text(engine, hf_tok, r.id)
     events, final = events_of(client, input="Hi")
     assert shape(final.output) == expected
     pieces = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
@@ -549,7 +519,9 @@ def test_reasoning_becomes_a_reasoning_item(
     # A next turn shows the reasoning again (the template's reasoning_content).
     script(engine, hf_tok, "Bye.")
     nxt = create(client, input="Bye?", previous_response_id=r.id)
-    assert f"<think>{thought}</think>\nHello world!<|im_end|>" in prompt_of(engine, hf_tok, nxt.id)
+    assert f"<think>{thought}</think>\nHello world!<|im_end|>" in prompt_text(
+        engine, hf_tok, nxt.id
+    )
 
 
 def test_reasoning_then_a_call(

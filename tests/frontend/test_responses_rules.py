@@ -78,9 +78,11 @@ def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
         ({"max_output_tokens": "9"}, "max_output_tokens", "must be an integer"),
         ({"temperature": -1}, "temperature", "must be in"),
         ({"top_p": 0}, "top_p", "must be in"),
-        ({"store": "yes"}, "store", "must be a boolean"),
-        ({"stream": 1}, "stream", "must be a boolean"),
+        ({"store": "always"}, "store", "must be a boolean"),
+        ({"stream": 2}, "stream", "must be a boolean"),
         ({"background": True}, "background", "not run responses in the background"),
+        ({"background": "yes"}, "background", "not run responses in the background"),
+        ({"background": "later"}, "background", "must be a boolean"),
         ({"conversation": "conv_1"}, "conversation", "use previous_response_id"),
         ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512 characters"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
@@ -112,7 +114,7 @@ def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
             "not both",
         ),
         ({"reasoning": {"effort": "extreme"}}, "reasoning", "'reasoning.effort'"),
-        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be a boolean"),
+        ({"parallel_tool_calls": "never"}, "parallel_tool_calls", "must be a boolean"),
     ],
 )
 def test_bad_fields_are_400s_naming_them(

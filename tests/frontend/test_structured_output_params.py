@@ -139,7 +139,7 @@ def test_no_constraint_by_default() -> None:
         ({"structured_outputs": {"choice": ["a", 2]}}, "structured_outputs", "list of strings"),
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "not valid JSON"),
         ({"structured_outputs": {"json": "[1]"}}, "structured_outputs", "JSON Schema object"),
-        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "boolean"),
+        ({"structured_outputs": {"json_object": "maybe"}}, "structured_outputs", "boolean"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
         ({"guided_regex": ["a"]}, "guided_regex", "'guided_regex' must be a non-empty string"),
         ({"guided_regex": ""}, "guided_regex", "non-empty string"),

@@ -93,7 +93,7 @@ def _context(kind: str, options: dict[str, Any], tokenizer: Tokenizer) -> Any:
         return completions._Context(req, tokenizer, [[0, 5, 6]], ["Hello"], "cmpl-x1", "m")
     messages = [{"role": "user", "content": "Hi"}]
     body = {"model": "m", "messages": messages, "max_tokens": 12, "stream": True, **options}
-    return chat._Context(parse_chat(body, 20), tokenizer, "chatcmpl-x1", "m", None, [0, 5, 6])
+    return chat.ChatReply(parse_chat(body, 20), tokenizer, "chatcmpl-x1", "m", None, [0, 5, 6])
 
 
 @pytest.mark.parametrize(("kind", "options"), CASES, ids=str)

@@ -26,7 +26,15 @@ from protos.types import EngineOutput, StructuredOutput
 from tests.chat_templates import QWEN_TOOLS_TEMPLATE
 from tests.frontend.fake_engine import MODEL_NAME, FakeEngine
 from tests.frontend.harness import GatewayServer
-from tests.frontend.tiny_tokenizer import EOS, build_tiny_tokenizer
+from tests.frontend.helpers_chat import (
+    hf_tokenizer_of,
+    lazy_gateways,
+    openai_client,
+    qwen_tokenizer_dir,
+    script,
+    serve_engine,
+)
+from tests.frontend.tiny_tokenizer import EOS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,62 +61,30 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 @pytest.fixture(scope="module")
 def tool_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"))
-    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN_TOOLS_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return qwen_tokenizer_dir(tmp_path_factory, "tool_tokenizer", QWEN_TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def hf_tok(tool_tokenizer_dir: Path) -> HFTokenizer:
-    return HFTokenizer.from_file(str(tool_tokenizer_dir / "tokenizer.json"))
+    return hf_tokenizer_of(tool_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
 def engine(tool_tokenizer_dir: Path, hf_tok: HFTokenizer) -> Iterator[FakeEngine]:
-    e = FakeEngine(
-        tool_tokenizer_dir,
-        [0],
-        vocab_size=hf_tok.get_vocab_size(),
-        max_model_len=2048,
-        step_s=0.001,
-    )
-    e.start()
-    yield e
-    e.stop()
+    yield from serve_engine(tool_tokenizer_dir, hf_tok, step_s=0.001)
 
 
 @pytest.fixture(scope="module")
 def gateways(engine: FakeEngine) -> Iterator[dict[str | None, GatewayServer]]:
     """A gateway per --tool-call-parser (None: no parser, so no "auto"), started when first used."""
-    started: dict[str | None, GatewayServer] = {}
-
-    class Lazy(dict[str | None, GatewayServer]):
-        def __missing__(self, parser: str | None) -> GatewayServer:
-            flags = {"tool_call_parser": parser, "enable_auto_tool_choice": parser is not None}
-            g = started[parser] = GatewayServer(engine.address, **flags).start()
-            g.wait_healthy()
-            return g
-
-    yield Lazy()
-    for g in started.values():
-        g.stop()
+    yield from lazy_gateways(
+        engine,
+        lambda parser: {"tool_call_parser": parser, "enable_auto_tool_choice": parser is not None},
+    )
 
 
 def client_of(gateways: dict[str | None, GatewayServer], parser: str | None) -> openai.OpenAI:
-    url = f"{gateways[parser].url}/v1"
-    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=10)
-
-
-def script(engine: FakeEngine, hf_tok: HFTokenizer, text: str) -> list[int]:
-    """Make the engine write ``text`` and then EOS; returns the ids of ``text``."""
-    ids = hf_tok.encode(text, add_special_tokens=False).ids
-    engine.script = [*ids, hf_tok.token_to_id(EOS)]
-    return list(ids)
+    return openai_client(gateways[parser])
 
 
 def chat(client: openai.OpenAI, **fields: Any) -> Any:
