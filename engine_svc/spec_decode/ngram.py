@@ -64,6 +64,10 @@ def parse_speculative_config(text: str) -> NgramConfig:
     if not isinstance(spec, dict):
         raise ValueError("--speculative-config must be a JSON object")
     method = spec.pop("method", None)
+    if method is None and "model" in spec:
+        raise ValueError(
+            "--speculative-config: a draft model is not supported yet; use \"method\": \"ngram\""
+        )
     if method != "ngram":
         raise ValueError(
             f'--speculative-config method {method!r} is not supported; this engine has "ngram"'
