@@ -121,6 +121,11 @@ def test_a_structured_output_request_is_refused_before_the_workers_see_it(
     so.scheduled.append(ScheduledRequest(req, 3, True, [1]))
     with pytest.raises(TensorParallelUnsupported, match="structured outputs"):
         tp_engine.runner.execute(so)
+    # and the engine refuses such a request when it is added, so no step ever carries one
+    params = SamplingParams(structured_output=StructuredOutputParams(regex="[ab]+"))
+    with pytest.raises(ValueError, match="structured outputs do not run with tensor parallel"):
+        tp_engine.add_request("g2", [5, 6, 7], params)
+    assert not tp_engine.has_unfinished_requests()
 
 
 def _request_with_grammar():  # type: ignore[no-untyped-def]
