@@ -1,0 +1,105 @@
+"""The gRPC engine at --tensor-parallel-size 2 behind the gateway (issue 33): the openai client's
+greedy completions, whole and streamed, equal the one-rank session engine's; a structured-output
+request gets a clear 400; SIGTERM stops the engine and its worker process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import SESSION_ENGINE_FLAGS
+from tests.integration.harness import API_KEY, Engine, Gateway
+
+PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
+
+
+@pytest.fixture(scope="module")
+def tp_client(cache_dir: Path, log_dir: Path) -> Iterator[tuple[openai.OpenAI, Engine]]:
+    engine = Engine(cache_dir, log_dir, *SESSION_ENGINE_FLAGS, "--tensor-parallel-size", "2")
+    gateway = None
+    try:
+        engine.wait_ready(timeout=120)
+        gateway = Gateway(engine.address, cache_dir, log_dir).wait_healthy()
+        client = openai.OpenAI(
+            base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60
+        )
+        yield client, engine
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        engine.stop()
+
+
+def _greedy(client: openai.OpenAI, stream: bool) -> list[str]:
+    model = client.models.list().data[0].id
+    out = []
+    for prompt in PROMPTS:
+        if stream:
+            chunks = client.completions.create(
+                model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True
+            )
+            out.append("".join(c.choices[0].text for c in chunks if c.choices))
+        else:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+            out.append(r.choices[0].text)
+    return out
+
+
+def test_greedy_completions_equal_the_one_rank_engine(
+    tp_client: tuple[openai.OpenAI, Engine], client: openai.OpenAI
+) -> None:
+    tp, _ = tp_client
+    want = _greedy(client, stream=False)
+    assert _greedy(tp, stream=False) == want
+    assert _greedy(tp, stream=True) == want
+
+
+def test_a_structured_output_request_is_a_clear_400(
+    tp_client: tuple[openai.OpenAI, Engine],
+) -> None:
+    tp, _ = tp_client
+    model = tp.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="tensor parallelism"):
+        tp.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            response_format={"type": "json_object"},
+        )
+    # the engine still serves
+    assert _greedy(tp, stream=False)
+
+
+def test_sigterm_stops_the_engine_and_its_worker(cache_dir: Path, log_dir: Path) -> None:
+    engine = Engine(cache_dir, log_dir, *SESSION_ENGINE_FLAGS, "-tp", "2").wait_ready(timeout=120)
+    log = engine.log_tail(100_000)
+    workers = [int(p) for line in log.splitlines() for p in _worker_pids(line)]
+    assert workers, log
+    engine.signal(signal.SIGTERM)
+    assert engine.wait(timeout=30) == 0
+    engine.kill()  # (already exited: closes its log)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in workers), "a tensor-parallel worker outlived the engine"
+
+
+def _worker_pids(line: str) -> list[str]:
+    marker = "tensor parallelism: 2 ranks (workers ["
+    if marker not in line:
+        return []
+    return line.split(marker, 1)[1].split("]", 1)[0].split(",")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
