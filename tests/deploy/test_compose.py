@@ -166,6 +166,16 @@ def test_gpu_file_requires_model_dir(compose: str) -> None:
         assert "set MODEL_DIR to a Hugging Face checkpoint directory" in done.stderr, done.stderr
 
 
+def test_tensor_parallel_size_follows_the_environment(compose: str) -> None:
+    engine = rendered_ok(compose, GPU_FILE, MODEL_DIR="/m")["services"]["engine"]
+    assert engine_flags(engine).tensor_parallel_size == 1
+    [device] = gpu_devices(engine)
+    assert device["count"] == "all"  # the ranks take the first N of the machine's GPUs
+    assert engine["shm_size"]  # NCCL's /dev/shm
+    engine = rendered_ok(compose, GPU_FILE, MODEL_DIR="/m", TANDEM_TENSOR_PARALLEL_SIZE="4")
+    assert engine_flags(engine["services"]["engine"]).tensor_parallel_size == 4
+
+
 def test_host_ports_follow_the_environment(compose: str) -> None:
     config = rendered_ok(
         compose, GPU_FILE, MODEL_DIR="/m", TANDEM_PORT="9000", TANDEM_ENGINE_PORT="6000"

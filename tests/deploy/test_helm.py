@@ -272,6 +272,22 @@ def test_engine_flags_from_values() -> None:
     assert default.model is None  # the embedded model: no volume, no --model
     assert "model" not in volumes("default", "engine")
     assert engine_args("mtls").kv_cache_memory == "20GiB"
+    assert engine_args("gpu-pool").tensor_parallel_size == 2
+    assert default.tensor_parallel_size == 1 and "--tensor-parallel-size" not in str(
+        container("default", "engine")["args"]
+    )
+
+
+def test_tensor_parallel_size_raises_the_gpu_limit() -> None:
+    values = values_of("default")
+    values.setdefault("engine", {})["tensorParallelSize"] = 4
+    engine = next(
+        d for path, text in render(values).items() if path.endswith("engine-deployment.yaml")
+        for d in yaml.safe_load_all(text) if d
+    )  # fmt: skip
+    (c,) = engine["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4  # gpu.count 1, 4 ranks
+    assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "4"
 
 
 @pytest.mark.parametrize(
