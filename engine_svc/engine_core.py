@@ -375,13 +375,16 @@ class EngineCore:
         logprobs = result.logprobs
         if result.spec_accepted and rid in result.spec_accepted:
             # Accepted proposals, then the sampled token (cut where the request stopped).
-            new_tokens = request.output_token_ids[-request.num_step_tokens :]
+            n = request.num_step_tokens
+            new_tokens = request.output_token_ids[-n:]
+            new_logprobs = result.spec_logprobs.get(rid, [])[:n]
         else:
             new_tokens = [result.sampled[rid]]
+            new_logprobs = [logprobs[rid]] if logprobs and rid in logprobs else []
         out = EngineCoreOutput(
             request_id=rid,
             new_token_ids=new_tokens,
-            new_logprobs=[logprobs[rid]] if logprobs and rid in logprobs else [],
+            new_logprobs=new_logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),

@@ -9,10 +9,11 @@ persistent batch here and reported as the step's sampled token (the last) plus t
 proposals before it; the scheduler counts only their KV as computed.
 
 Which requests: those whose every sampling parameter the verification applies exactly —
-temperature (greedy or not), top-k, top-p, min-p and a seed. A request with penalties, a logit
-bias, bad words, allowed token ids, a grammar, min_tokens still to reach, logprobs or prompt
-logprobs (or a pooling request) decodes one token a step as without speculation, so its output
-keeps its meaning; those features are the next step of issue 34.
+temperature (greedy or not), top-k, top-p, min-p and a seed; logprobs of the emitted tokens are
+the raw model's at each position, as without speculation. A request with penalties, a logit
+bias, bad words, allowed token ids, a grammar, min_tokens still to reach or prompt logprobs (or
+a pooling request) decodes one token a step as without speculation, so its output keeps its
+meaning; those features are the next step of issue 34.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine_svc.core.request import Request
+from engine_svc.core.request import Logprobs, Request
 from engine_svc.core.sampling_params import GREEDY_EPS
 from engine_svc.spec_decode.rejection import verify_greedy, verify_sampled
-from engine_svc.worker.sampler import target_probs
+from engine_svc.worker.sampler import gather_logprobs, target_probs
 from engine_svc.worker.sampling_inputs import sampling_metadata
 from engine_svc.worker.uploads import upload
 
@@ -48,7 +49,6 @@ def eligible(request: Request) -> bool:
         and not p.logit_bias
         and not p.bad_words_token_ids
         and p.allowed_token_ids is None
-        and p.logprobs is None
         and p.prompt_logprobs is None
         and len(request.output_token_ids) >= p.min_tokens
     )
@@ -63,10 +63,12 @@ def verify_step(
     generators: dict[str, torch.Generator],
     sampled: dict[str, int],
     accepted: dict[str, list[int]],
+    logprobs: dict[str, list[Logprobs]],
 ) -> None:
     """Verify the proposals of the step's requests ``spec`` (indices into ``step.batch``):
-    append what each emits to ``batch`` and report it in ``sampled`` (the last token) and
-    ``accepted`` (the accepted proposals before it). One host sync."""
+    append what each emits to ``batch`` and report it in ``sampled`` (the last token),
+    ``accepted`` (the accepted proposals before it) and, for a request that asks for them,
+    ``logprobs`` (one per emitted token). One host sync, one more with logprobs."""
     subs = [step.batch[i] for i in spec]
     reqs = [s.request for s in subs]
     rows = step.rows[spec]
@@ -125,3 +127,17 @@ def verify_step(
         n = host_emitted[i]
         sampled[q.request_id] = host_tokens[i][n - 1]
         accepted[q.request_id] = host_tokens[i][: n - 1]
+        top = q.sampling_params.logprobs
+        if top is not None:  # the raw model's, at each emitted token's position
+            raw = torch.log_softmax(logits[i, :n].float(), dim=-1)
+            chosen = upload(np.asarray(host_tokens[i][:n], dtype=np.int64), dev)
+            lp, ranks, top_ids, top_lp = (t.tolist() for t in gather_logprobs(raw, chosen, top))
+            logprobs[q.request_id] = [
+                Logprobs(
+                    host_tokens[i][j],
+                    lp[j],
+                    ranks[j],
+                    dict(zip(top_ids[j], top_lp[j], strict=True)),
+                )
+                for j in range(n)
+            ]

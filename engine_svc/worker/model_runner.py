@@ -70,8 +70,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
     # Pooling requests whose last prompt chunk ran in this step: their result.
     pooled: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
-    # Requests that verified proposals: the accepted ones, emitted before their sampled token.
+    # Requests that verified proposals: the accepted ones, emitted before their sampled token,
+    # and (when asked for) the logprobs of every token emitted.
     spec_accepted: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -330,7 +332,7 @@ class ModelRunner:
             verifying = np.fromiter((bool(step.batch[i].spec_token_ids) for i in sampling), bool)
             verify_step(
                 step, sampling[verifying], hidden, self.input_batch, self.model.compute_logits,
-                self.generators, out.sampled, out.spec_accepted,
+                self.generators, out.sampled, out.spec_accepted, out.spec_logprobs,
             )  # fmt: skip
             sampling = sampling[~verifying]
         if sampling.size:

@@ -3,8 +3,9 @@
 Greedy output with speculation equals greedy output without it, token for token, for Llama,
 Qwen2 and Qwen3 tiny shapes, through chunked prefill, prefix-cache hits and preemption (each
 asserted to happen), with proposals accepted and rejected (both asserted); stop ids, EOS and
-max_tokens end a request inside an accepted run where they would without speculation; requests
-whose parameters the verification does not apply (logprobs here) decode as before beside
+max_tokens end a request inside an accepted run where they would without speculation; logprobs
+of the emitted tokens equal those without it; requests whose parameters the verification does
+not apply (penalties, a logit bias, min_tokens still to reach) decode as before beside
 speculating ones; every KV block is back in the pool afterwards, aborts mid-run included."""
 
 from __future__ import annotations
@@ -109,14 +110,48 @@ def test_requests_the_verification_does_not_cover_decode_as_before(
 ) -> None:
     prompts = _prompts(5, 4)
     params = [
-        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, min_tokens=8),
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logit_bias={7: 2.0}),
     ]
     want, _, _ = _run(_engine(tiny_models["qwen3"], None), prompts, params)
     got, _, totals = _run(_engine(tiny_models["qwen3"], SPEC), prompts, params)
     assert got == want and totals["accepted"] > 0
+
+
+def test_logprobs_of_emitted_tokens_equal_those_without_speculation(
+    tiny_models: dict[str, Path],
+) -> None:
+    prompts = _prompts(8, 3)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=3)] * 3
+
+    def run(engine: EngineCore) -> tuple[list[list[int]], list[list], dict]:  # type: ignore[type-arg]
+        ids = [f"l{i}" for i in range(3)]
+        for rid, p, sp in zip(ids, prompts, params, strict=True):
+            engine.add_request(rid, p, sp)
+        tokens: dict[str, list[int]] = {r: [] for r in ids}
+        lps: dict[str, list] = {r: [] for r in ids}  # type: ignore[type-arg]
+        accepted = 0
+        while engine.has_unfinished_requests():
+            step = engine.step()
+            accepted += step.stats.spec_num_accepted_tokens
+            for o in step.outputs:
+                tokens[o.request_id].extend(o.new_token_ids)
+                lps[o.request_id].extend(o.new_logprobs)
+        return [tokens[r] for r in ids], [lps[r] for r in ids], {"accepted": accepted}
+
+    want_tokens, want, _ = run(_engine(tiny_models["qwen3"], None))
+    got_tokens, got, totals = run(_engine(tiny_models["qwen3"], SPEC))
+    assert got_tokens == want_tokens and totals["accepted"] > 0
+    for g, w, t in zip(got, want, got_tokens, strict=True):
+        assert len(g) == len(w) == len(t) == 14  # one per token, whatever the step emitted
+        for a, b, tok in zip(g, w, t, strict=True):
+            assert a.token_id == b.token_id == tok and a.rank == b.rank
+            assert list(a.top) == list(b.top)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            for x, y in zip(a.top.values(), b.top.values(), strict=True):
+                assert x == pytest.approx(y, abs=1e-4)
 
 
 def test_sampled_requests_speculate_within_their_limits_and_follow_their_seed(
