@@ -140,15 +140,18 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"{device}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write); {args.dtype}")
-    if args.sweep:
-        rows = main_sweep(args, dtype, copy_bw)
+
+    def write(**results: list[dict]) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(dict(
             device=device, date=datetime.date.today().isoformat(), dtype=args.dtype,
             head_dim=HEAD_DIM, block_size=16, copy_bytes_per_s=copy_bw,
-            command=" ".join(sys.argv), sweep=rows,
+            command=" ".join(sys.argv), **results,
         ), indent=2))  # fmt: skip
         print(f"wrote {args.out}")
+
+    if args.sweep:
+        write(sweep=main_sweep(args, dtype, copy_bw))
         return
     print(f"{'heads':>6} {'batch':>5} {'ctx':>6} {'P':>3} {'kernel ms':>9} {'of copy':>7} "
           f"{'tiled ms':>9} {'of copy':>7}")  # fmt: skip
@@ -167,13 +170,7 @@ def main() -> None:
                   f"{row['tiled_ms']:9.3f} {row['tiled_fraction_of_copy']:7.0%}")  # fmt: skip
             rows.append(row)
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(
-        device=device, date=datetime.date.today().isoformat(), dtype=args.dtype,
-        head_dim=HEAD_DIM, block_size=16, copy_bytes_per_s=copy_bw,
-        command=" ".join(sys.argv), rows=rows,
-    ), indent=2))  # fmt: skip
-    print(f"wrote {args.out}")
+    write(rows=rows)
 
 
 if __name__ == "__main__":
