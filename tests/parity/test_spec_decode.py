@@ -185,3 +185,25 @@ def test_aborts_during_speculation_return_every_block(tiny_models: dict[str, Pat
     spec.step()
     assert not spec.has_unfinished_requests()
     assert spec.kv.num_free_blocks == 64
+
+
+def test_the_offline_llm_takes_vllms_speculative_config(tiny_models: dict[str, Path]) -> None:
+    from engine_svc.entrypoints.llm import LLM
+
+    spec = LLM(
+        str(tiny_models["llama"]),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    plain = LLM(str(tiny_models["llama"]))
+    assert spec.engine.proposer is not None and spec.engine.proposer.config == NgramConfig(3, 1, 4)
+    assert plain.engine.proposer is None
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(9, 2)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(
+            str(tiny_models["llama"]),
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2},
+        )
