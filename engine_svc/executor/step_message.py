@@ -23,6 +23,7 @@ structured-output request (its grammar matcher lives with the scheduler) is refu
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine_svc.core.request import Request
@@ -35,21 +36,49 @@ class TensorParallelUnsupported(ValueError):
 
 @dataclass(frozen=True)
 class ScheduledDelta:
+    """An admitted request: a copy of the whole request, as it is now."""
+
     request_id: str
     num_tokens: int  # tokens computed this step
-    admitted: bool
     block_ids: list[int]
-    num_computed_tokens: int
-    new_token_ids: list[int]  # running: output tokens appended since the last message
-    snapshot: Request | None  # admitted: the request as it is now
+    snapshot: Request
 
 
 @dataclass(frozen=True)
 class StepMessage:
-    scheduled: list[ScheduledDelta]
+    """One step for the workers. Admitted requests travel whole; the running ones (nearly every
+    row of a decode step) as columns of plain ints, which pickle and unpickle in a fraction of
+    the time one object per row takes (256 decode rows: 0.64 -> 0.08 ms, 2-core VM)::
+
+        is_admitted   1 or 0 per scheduled row, in schedule order (every rank orders its
+                      batch the same way: the all-reduces sum rows by position)
+        ids, num_tokens, num_computed           one entry per running row
+        new_counts -> new_tokens                output tokens rank 0 appended since the last
+                                                message, concatenated
+        block_counts -> block_ids               blocks allocated this step, concatenated
+    """
+
+    admitted: list[ScheduledDelta]
+    is_admitted: bytes
+    ids: list[str]
+    num_tokens: list[int]
+    num_computed: list[int]
+    new_counts: list[int]
+    new_tokens: list[int]
+    block_counts: list[int]
+    block_ids: list[int]
     num_batched_tokens: int
     preempted_ids: list[str]
     finished_ids: list[str]
+
+    def new_token_runs(self) -> Iterator[tuple[str, list[int]]]:
+        """(request id, the output tokens rank 0 appended since the last message) of each
+        running row that has any."""
+        at = 0
+        for rid, n in zip(self.ids, self.new_counts, strict=True):
+            if n:
+                yield rid, self.new_tokens[at : at + n]
+                at += n
 
 
 class StepEncoder:
@@ -64,32 +93,43 @@ class StepEncoder:
         for s in so.scheduled:
             if s.admitted:
                 _check_mirrorable(s.request)
+        known = self._known
         for rid in (*so.finished_ids, *so.preempted_ids):
-            self._known.pop(rid, None)
-        deltas = []
+            known.pop(rid, None)
+        admitted: list[ScheduledDelta] = []
+        flags = bytearray()
+        ids: list[str] = []
+        num_tokens: list[int] = []
+        computed: list[int] = []
+        new_counts: list[int] = []
+        new_tokens: list[int] = []
+        block_counts: list[int] = []
+        block_ids: list[int] = []
         for s in so.scheduled:
             req = s.request
+            rid = req.request_id
             outputs = req.output_token_ids
-            snapshot, new = None, []
             if s.admitted:
-                snapshot = _snapshot(req)
+                flags.append(1)
+                admitted.append(ScheduledDelta(rid, s.num_tokens, s.block_ids, _snapshot(req)))
             else:
-                new = outputs[self._known[req.request_id] :]
-            self._known[req.request_id] = len(outputs)
-            deltas.append(
-                ScheduledDelta(
-                    req.request_id,
-                    s.num_tokens,
-                    s.admitted,
-                    s.block_ids,
-                    req.num_computed_tokens,
-                    new,
-                    snapshot,
-                )
-            )
+                flags.append(0)
+                ids.append(rid)
+                num_tokens.append(s.num_tokens)
+                computed.append(req.num_computed_tokens)
+                n = len(outputs) - known[rid]
+                new_counts.append(n)
+                if n:
+                    new_tokens += outputs[len(outputs) - n :]
+                block_counts.append(len(s.block_ids))
+                if s.block_ids:
+                    block_ids += s.block_ids
+            known[rid] = len(outputs)
         return StepMessage(
-            deltas, so.num_batched_tokens, list(so.preempted_ids), list(so.finished_ids)
-        )
+            admitted, bytes(flags), ids, num_tokens, computed, new_counts, new_tokens,
+            block_counts, block_ids, so.num_batched_tokens, list(so.preempted_ids),
+            list(so.finished_ids),
+        )  # fmt: skip
 
 
 def _check_mirrorable(req: Request) -> None:
@@ -116,18 +156,31 @@ class RequestMirrors:
         self.requests: dict[str, Request] = {}
 
     def decode(self, msg: StepMessage) -> SchedulerOutput:
+        requests = self.requests
         for rid in (*msg.finished_ids, *msg.preempted_ids):
-            self.requests.pop(rid, None)
+            requests.pop(rid, None)
         scheduled = []
-        for d in msg.scheduled:
-            if d.snapshot is not None:
-                req = self.requests[d.request_id] = d.snapshot
-            else:
-                req = self.requests[d.request_id]
-                for token in d.new_token_ids:
+        admitted = iter(msg.admitted)
+        row = tok = blk = 0
+        for flag in msg.is_admitted:
+            if flag:
+                d = next(admitted)
+                req = requests[d.request_id] = d.snapshot
+                scheduled.append(ScheduledRequest(req, d.num_tokens, True, d.block_ids))
+                continue
+            req = requests[msg.ids[row]]
+            n = msg.new_counts[row]
+            if n:
+                for token in msg.new_tokens[tok : tok + n]:
                     req.append_output_token(token)
-            req.num_computed_tokens = d.num_computed_tokens
-            scheduled.append(ScheduledRequest(req, d.num_tokens, d.admitted, d.block_ids))
+                tok += n
+            req.num_computed_tokens = msg.num_computed[row]
+            nb = msg.block_counts[row]
+            scheduled.append(
+                ScheduledRequest(req, msg.num_tokens[row], False, msg.block_ids[blk : blk + nb])
+            )
+            blk += nb
+            row += 1
         return SchedulerOutput(
             scheduled, msg.num_batched_tokens, msg.preempted_ids, msg.finished_ids
         )

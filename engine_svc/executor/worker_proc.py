@@ -112,17 +112,17 @@ def _take_rank0_tokens(batch: InputBatch, msg: StepMessage, mirrors: RequestMirr
         batch.token_ids[row]   prompt ... | sampled by this rank at earlier steps |
                                             └─ overwritten with msg's new_token_ids
     """
-    for d in msg.scheduled:
-        row = batch.row_of.get(d.request_id)
-        if not d.new_token_ids or row is None:
+    for rid, tokens in msg.new_token_runs():
+        row = batch.row_of.get(rid)
+        if row is None:
             continue
         n = int(batch.num_tokens[row])
-        if n != mirrors.requests[d.request_id].num_tokens:
+        if n != mirrors.requests[rid].num_tokens:
             raise RuntimeError(
-                f"request {d.request_id}: this rank holds {n} tokens, rank 0 "
-                f"{mirrors.requests[d.request_id].num_tokens}"
+                f"request {rid}: this rank holds {n} tokens, rank 0 "
+                f"{mirrors.requests[rid].num_tokens}"
             )
-        batch.token_ids[row, n - len(d.new_token_ids) : n] = d.new_token_ids
+        batch.token_ids[row, n - len(tokens) : n] = tokens
 
 
 def _exit_with_parent(parent_pid: int, init_method: str) -> None:
