@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,48 @@ def test_the_offline_llm_takes_vllms_speculative_config(tiny_models: dict[str, P
             str(tiny_models["llama"]),
             speculative_config={"method": "eagle", "num_speculative_tokens": 2},
         )
+
+
+def test_lora_requests_speculate_with_their_adapter(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Proposals of a request with an adapter are verified with that adapter's deltas (the step
+    maps each query token to its adapter): output equal to no speculation, base and adapters mixed
+    in one batch."""
+    from engine_svc.entrypoints.llm import LLM
+    from engine_svc.lora.request import LoRARequest
+    from tests.lora_peft import make_adapter
+
+    base = tiny_models["llama"]
+    adapters = {
+        "qv": make_adapter(
+            base, tmp_path / "qv", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=3
+        ),
+        "all": make_adapter(base, tmp_path / "all", r=8, alpha=16, targets="all-linear", seed=4),
+    }
+    names = [None, "qv", "all", "qv"]
+    ids = {"qv": 1, "all": 2}
+    lora = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
+    prompts = [{"prompt_token_ids": p} for p in _prompts(10, len(names))]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    outs = {}
+    accepted = 0
+    for label, spec in (
+        ("plain", None),
+        ("spec", {"method": "ngram", "num_speculative_tokens": 4}),
+    ):
+        llm = LLM(str(base), speculative_config=spec, **kw)  # type: ignore[arg-type]
+        if spec is not None:
+
+            def counting_step(step: Any = llm.engine.step) -> Any:
+                nonlocal accepted
+                out = step()
+                accepted += out.stats.spec_num_accepted_tokens
+                return out
+
+            llm.engine.step = counting_step  # type: ignore[method-assign]
+        got = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        outs[label] = [o.outputs[0].token_ids for o in got]
+    assert outs["spec"] == outs["plain"]
+    assert accepted > 0
