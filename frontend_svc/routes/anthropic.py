@@ -46,6 +46,7 @@ from frontend_svc.reasoning import ReasoningStream
 from frontend_svc.routes.anthropic_errors import PATH, error_body, error_response
 from frontend_svc.routes.common import (
     as_api_error,
+    first_delta,
     gateway,
     parse_body,
     prompt_encoder,
@@ -53,7 +54,6 @@ from frontend_svc.routes.common import (
 )
 from frontend_svc.routes.sse import (
     ClientDisconnected,
-    DisconnectWatcher,
     SSEResponse,
     sse_event,
     until_disconnected,
@@ -277,17 +277,10 @@ async def _stream(
     """Start streaming once the first delta is in (an early engine error gets a real status),
     as ``routes.common.stream_sse`` does; a later error is an ``error`` event."""
     retry_after_s = gateway(request).config.retry_after_s
-    watcher = DisconnectWatcher(request.receive)  # until the response ends (SSEResponse closes it)
-    try:
-        first: SequenceDelta | None = await watcher.guard(deltas.__anext__())
-    except ClientDisconnected:
-        watcher.close()
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        watcher.close()
-        raise
+    started = await first_delta(request, deltas)
+    if started is None:
+        return Response(status_code=499)  # the client left before the first delta
+    watcher, first = started
 
     async def events() -> AsyncIterator[bytes]:
         try:

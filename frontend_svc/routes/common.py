@@ -125,6 +125,26 @@ def as_api_error(error: Exception, retry_after_s: int) -> ApiError:
 ChunkBuilder = Callable[[SequenceDelta], list[dict[str, Any]]]
 
 
+async def first_delta(
+    request: Request, deltas: AsyncIterator[SequenceDelta]
+) -> tuple[DisconnectWatcher, SequenceDelta | None] | None:
+    """The stream's first delta (None: it ended without one), awaited under a disconnect
+    watcher that lasts until the response ends (``SSEResponse`` closes it), so an engine error
+    before it is still an HTTP status. None when the client left first (answer 499). Every
+    streaming route starts this way."""
+    watcher = DisconnectWatcher(request.receive)
+    try:
+        return watcher, await watcher.guard(deltas.__anext__())
+    except ClientDisconnected:
+        watcher.close()
+        return None
+    except StopAsyncIteration:
+        return watcher, None
+    except BaseException:
+        watcher.close()
+        raise
+
+
 async def stream_sse(
     request: Request,
     deltas: AsyncIterator[SequenceDelta],
@@ -139,17 +159,10 @@ async def stream_sse(
     else None and ``to_chunks`` builds it.
     """
     state = gateway(request)
-    watcher = DisconnectWatcher(request.receive)  # until the response ends (SSEResponse closes it)
-    try:
-        first = await watcher.guard(deltas.__anext__())
-    except ClientDisconnected:
-        watcher.close()
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        watcher.close()
-        raise
+    started = await first_delta(request, deltas)
+    if started is None:
+        return Response(status_code=499)  # the client left before the first delta
+    watcher, first = started
 
     async def events() -> AsyncIterator[bytes]:
         usage = UsageCounter(details=state.config.enable_prompt_tokens_details)

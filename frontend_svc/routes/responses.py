@@ -39,6 +39,7 @@ from frontend_svc.protocol.responses_items import item_id
 from frontend_svc.responses_store import ResponseStore, StoredResponse
 from frontend_svc.routes.common import (
     as_api_error,
+    first_delta,
     gateway,
     parse_body,
     prompt_encoder,
@@ -47,7 +48,6 @@ from frontend_svc.routes.common import (
 from frontend_svc.routes.responses_output import Event, OutputItems, ResponseBuilder, whole
 from frontend_svc.routes.sse import (
     ClientDisconnected,
-    DisconnectWatcher,
     SSEResponse,
     sse_event,
     until_disconnected,
@@ -235,17 +235,10 @@ async def _stream(
 ) -> Response:
     """The call as typed events, begun once the first delta is in (an engine's refusal before
     it is still an HTTP error)."""
-    watcher = DisconnectWatcher(request.receive)  # until the response ends (SSEResponse closes it)
-    try:
-        first: SequenceDelta | None = await watcher.guard(deltas.__anext__())
-    except ClientDisconnected:
-        watcher.close()
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        watcher.close()
-        raise
+    started = await first_delta(request, deltas)
+    if started is None:
+        return Response(status_code=499)  # the client left before the first delta
+    watcher, first = started
 
     async def events() -> AsyncIterator[bytes]:
         numbers = itertools.count()
