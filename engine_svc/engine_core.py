@@ -142,11 +142,6 @@ class EngineCore:
         then come with their defaults filled in."""
         if self.is_sleeping:
             raise EngineAsleepError("the engine is asleep; wake it up first")
-        if params.structured_output is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError(
-                "structured outputs do not run with tensor parallelism yet "
-                f"(this engine runs --tensor-parallel-size {self.config.tensor_parallel_size})"
-            )
         lora_id = self._acquire_lora(lora_name)
         try:
             return self._add_request(

@@ -147,7 +147,7 @@ class MultiprocExecutor:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.is_empty and not so.finished_ids and not so.preempted_ids:
             return self.rank0.execute(so)  # nothing for the workers to know
-        msg = self._encoder.encode(so)  # refuses what the workers cannot mirror, before sending
+        msg = self._encoder.encode(so)
         for conn in self._conns:
             conn.send(("step", msg))
         return self.rank0.execute(so)

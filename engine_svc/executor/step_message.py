@@ -17,7 +17,9 @@ Every rank must make the same collective calls in the same order, so a worker's 
 take every decision rank 0's takes (which rows sample, which prompt-logprob chunks it computes):
 the mirrors hold exactly what rank 0's requests hold for those decisions. Rank 0's sampled
 tokens come with the next message and are what a worker feeds its model (``worker_proc``). A
-structured-output request (its grammar matcher lives with the scheduler) is refused for now.
+structured-output request's grammar matcher stays with the scheduler: rank 0 masks and samples,
+a worker's mirror has no grammar (its unmasked sample is replaced by rank 0's token before the
+model sees it), and the grammar decides nothing a collective depends on.
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ from dataclasses import dataclass
 
 from engine_svc.core.request import Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
-
-
-class TensorParallelUnsupported(ValueError):
-    """A request asks for something the tensor-parallel executor cannot run yet."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +86,6 @@ class StepEncoder:
         self._known: dict[str, int] = {}
 
     def encode(self, so: SchedulerOutput) -> StepMessage:
-        """Raises ``TensorParallelUnsupported`` (changing nothing) for a request it cannot
-        mirror."""
-        for s in so.scheduled:
-            if s.admitted:
-                _check_mirrorable(s.request)
         known = self._known
         for rid in (*so.finished_ids, *so.preempted_ids):
             known.pop(rid, None)
@@ -132,16 +125,9 @@ class StepEncoder:
         )  # fmt: skip
 
 
-def _check_mirrorable(req: Request) -> None:
-    if req.grammar is not None or req.sampling_params.structured_output is not None:
-        raise TensorParallelUnsupported(
-            f"request {req.request_id}: structured outputs are not supported with tensor "
-            "parallelism yet"
-        )
-
-
 def _snapshot(req: Request) -> Request:
     mirror = copy.copy(req)
+    mirror.grammar = None  # rank 0 masks; the matcher (not picklable) stays with the scheduler
     mirror.all_token_ids = list(req.all_token_ids)
     mirror.output_token_ids = list(req.output_token_ids)
     mirror.prompt_logprobs = [None] * len(req.prompt_logprobs)  # only their count is read

@@ -1,6 +1,6 @@
 """The gRPC engine at --tensor-parallel-size 2 behind the gateway (issue 33): the openai client's
-greedy completions, whole and streamed, equal the one-rank session engine's; a structured-output
-request gets a clear 400; SIGTERM stops the engine and its worker process."""
+greedy completions, whole and streamed, and a JSON-object completion equal the one-rank session
+engine's; SIGTERM stops the engine and its worker process."""
 
 from __future__ import annotations
 
@@ -60,20 +60,25 @@ def test_greedy_completions_equal_the_one_rank_engine(
     assert _greedy(tp, stream=True) == want
 
 
-def test_a_structured_output_request_is_a_clear_400(
-    tp_client: tuple[openai.OpenAI, Engine],
+def test_a_structured_output_request_gives_the_one_rank_engines_json(
+    tp_client: tuple[openai.OpenAI, Engine], client: openai.OpenAI
 ) -> None:
-    tp, _ = tp_client
-    model = tp.models.list().data[0].id
-    with pytest.raises(openai.BadRequestError, match="tensor parallelism"):
-        tp.chat.completions.create(
-            model=model,
+    """Rank 0 masks and samples under tensor parallelism: the same JSON object as one rank's."""
+
+    def json_object(c: openai.OpenAI) -> str:
+        out = c.chat.completions.create(
+            model=c.models.list().data[0].id,
             messages=[{"role": "user", "content": "hi"}],
-            max_tokens=4,
+            max_tokens=24,
+            temperature=0.0,
             response_format={"type": "json_object"},
         )
-    # the engine still serves
-    assert _greedy(tp, stream=False)
+        return out.choices[0].message.content or ""
+
+    tp, _ = tp_client
+    want = json_object(client)
+    assert want.startswith("{")
+    assert json_object(tp) == want
 
 
 def test_sigterm_stops_the_engine_and_its_worker(cache_dir: Path, log_dir: Path) -> None:

@@ -2,7 +2,8 @@
 once and the multi-process executor running each step on rank 0 (here) and a worker process.
 
 Greedy output equals transformers' through chunked prefill, prefix-cache hits and preemption;
-logprobs and prompt logprobs equal the one-rank engine's. ``EngineCore`` builds its runner with
+logprobs and prompt logprobs equal the one-rank engine's (structured outputs:
+``test_tp_structured_output``). ``EngineCore`` builds its runner with
 ``make_model_runner``, which EngineCore calls for ``tensor_parallel_size``.
 """
 
@@ -17,10 +18,9 @@ import torch
 
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_svc.core.request import Logprobs
-from engine_svc.core.sampling_params import SamplingParams, StructuredOutputParams
+from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_core import EngineCore
 from engine_svc.executor import MultiprocExecutor
-from engine_svc.executor.step_message import TensorParallelUnsupported
 from tests.parity.hf_reference import hf_greedy, load_hf
 
 MAX_NEW = 12
@@ -108,28 +108,3 @@ def test_logprobs_equal_the_one_rank_engine(
             assert a is not None and b is not None
             assert a.token_id == b.token_id and list(a.top) == list(b.top)
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-
-
-def test_a_structured_output_request_is_refused_before_the_workers_see_it(
-    tp_engine: EngineCore,
-) -> None:
-    so = tp_engine.scheduler.schedule()  # nothing waiting: an empty step
-    assert so.is_empty
-    req = _request_with_grammar()
-    from engine_svc.core.scheduler import ScheduledRequest
-
-    so.scheduled.append(ScheduledRequest(req, 3, True, [1]))
-    with pytest.raises(TensorParallelUnsupported, match="structured outputs"):
-        tp_engine.runner.execute(so)
-    # and the engine refuses such a request when it is added, so no step ever carries one
-    params = SamplingParams(structured_output=StructuredOutputParams(regex="[ab]+"))
-    with pytest.raises(ValueError, match="structured outputs do not run with tensor parallel"):
-        tp_engine.add_request("g2", [5, 6, 7], params)
-    assert not tp_engine.has_unfinished_requests()
-
-
-def _request_with_grammar():  # type: ignore[no-untyped-def]
-    from engine_svc.core.request import Request
-
-    params = SamplingParams(structured_output=StructuredOutputParams(regex="[ab]+"))
-    return Request("g", [5, 6, 7], params)
