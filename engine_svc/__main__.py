@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     if too_late:
         logging.getLogger("engine_svc").warning(too_late)
     from engine_svc.engine_core import EngineCore
-    from engine_svc.rpc.server import PortUnavailable, serve
+    from engine_svc.executor.multiproc import exit_engine
+    from engine_svc.rpc.server import EngineFailed, PortUnavailable, serve
 
     def build() -> EngineCore:
         """Runs on the engine loop thread, so that all torch work happens on one thread (and
@@ -421,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
         usage_error(str(e))
     except (PortUnavailable, LoRAError) as e:  # others keep their traceback: a bug, a bad model
         raise SystemExit(f"python -m engine_svc: error: {e}") from None
+    except EngineFailed as e:  # reported; threads may be stuck in a collective: exit now
+        exit_engine(str(e))
 
 
 class UsageError(SystemExit):

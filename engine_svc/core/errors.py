@@ -15,3 +15,8 @@ class DuplicateRequestError(ValueError):
 
 class EngineAsleepError(RuntimeError):
     """The engine sleeps (sleep mode): it takes no request until it is woken up."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: a part of it is gone (a tensor-parallel worker process died).
+    Every request in flight fails with it, and the engine reports NOT_SERVING and exits."""

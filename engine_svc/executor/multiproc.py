@@ -11,10 +11,12 @@ collectives keeping the ranks together::
                                                              └────────► rank 0: execute ─► out
 
 The KV cache has the same number of blocks on every rank (the smallest any rank fits). A
-worker that dies is fatal: rank 0 would wait in a collective forever, so a watchdog thread ends
-the engine process at once with a message naming the worker (exit code 1) and takes the other
-workers with it; a worker whose engine is gone ends itself. The executor has the surface of a
-``ModelRunner`` that ``EngineCore`` uses.
+worker that dies is fatal: rank 0 would wait in a collective forever, so a watchdog thread
+kills the other workers and hands a message naming the worker to ``on_worker_death``. By
+default that ends the engine process at once (exit code 1); the gRPC server's handler first
+reports NOT_SERVING and ends the open calls with the message, and the engine process ends
+``FATAL_GRACE_S`` later whatever the handler did. A worker whose engine is gone ends itself.
+The executor has the surface of a ``ModelRunner`` that ``EngineCore`` uses.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
 
 from engine_svc.config import EngineConfig, KVCacheLayout
+from engine_svc.core.errors import EngineDeadError
 from engine_svc.core.scheduler import SchedulerOutput
 from engine_svc.distributed import destroy_tensor_parallel, init_tensor_parallel
 from engine_svc.executor.step_message import StepEncoder
@@ -44,6 +48,7 @@ from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
 logger = logging.getLogger(__name__)
 
 WORKER_DIED_EXIT_CODE = 1
+FATAL_GRACE_S = 5.0  # how long an ``on_worker_death`` handler has before the process ends
 _READY_TIMEOUT_S = 600.0
 
 
@@ -55,8 +60,9 @@ def exit_engine(message: str) -> None:
 
 
 class MultiprocExecutor:
-    """``size`` tensor-parallel ranks behind the ``ModelRunner`` surface. ``on_worker_death``:
-    called (from the watchdog thread) with a message when a worker exits unasked."""
+    """``size`` tensor-parallel ranks behind the ``ModelRunner`` surface. ``on_worker_death``
+    (public: a server sets its own): called from the watchdog thread with a message when a
+    worker exits unasked; the process ends ``FATAL_GRACE_S`` after it returns."""
 
     def __init__(
         self,
@@ -68,7 +74,7 @@ class MultiprocExecutor:
         if size < 2:
             raise ValueError(f"the multi-process executor needs at least 2 ranks, got {size}")
         self.size = size
-        self._on_death = on_worker_death
+        self.on_worker_death = on_worker_death
         self._closing = threading.Event()
         self._store_dir = tempfile.mkdtemp(prefix="tandem-tp-")
         init_method = f"file://{self._store_dir}/store"
@@ -148,9 +154,15 @@ class MultiprocExecutor:
         if so.is_empty and not so.finished_ids and not so.preempted_ids:
             return self.rank0.execute(so)  # nothing for the workers to know
         msg = self._encoder.encode(so)
-        for conn in self._conns:
-            conn.send(("step", msg))
-        return self.rank0.execute(so)
+        try:
+            for conn in self._conns:
+                conn.send(("step", msg))
+            return self.rank0.execute(so)
+        except Exception as e:  # a collective (or the pipe) failed: a worker may be gone
+            death = self._death(timeout_s=2.0)
+            if death is None:
+                raise
+            raise EngineDeadError(death) from e
 
     def sleep(self, level: int) -> None:
         self._on_every_rank(("sleep", level), lambda: self.rank0.sleep(level))
@@ -194,21 +206,30 @@ class MultiprocExecutor:
         shutil.rmtree(self._store_dir, ignore_errors=True)
         atexit.unregister(self.shutdown)
 
-    def _watch(self) -> None:
+    def _death(self, timeout_s: float | None) -> str | None:
+        """Wait up to ``timeout_s`` (None: for ever) for a worker to end; what to say of it."""
         by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
-        ended = wait(list(by_sentinel))
-        if self._closing.is_set():
-            return
+        ended = wait(list(by_sentinel), timeout_s)
+        if not ended:
+            return None
         rank, proc = by_sentinel[ended[0]]  # type: ignore[index]
         proc.join(1.0)
-        for other in self._procs:
-            if other is not proc and other.is_alive():
-                other.kill()
-        shutil.rmtree(self._store_dir, ignore_errors=True)
-        self._on_death(
+        return (
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
             f"{proc.exitcode}; the engine cannot run without it"
         )
+
+    def _watch(self) -> None:
+        message = self._death(timeout_s=None)
+        if self._closing.is_set() or message is None:
+            return
+        for other in self._procs:
+            if other.is_alive():
+                other.kill()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        self.on_worker_death(message)  # the default does not return
+        time.sleep(FATAL_GRACE_S)
+        exit_engine(message)
 
 
 def make_model_runner(config: EngineConfig, max_model_len: int) -> ModelRunner | MultiprocExecutor:

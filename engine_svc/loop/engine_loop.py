@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine_svc.config import ServerConfig
-from engine_svc.core.errors import DuplicateRequestError
+from engine_svc.core.errors import DuplicateRequestError, EngineDeadError
 from engine_svc.core.outputs import EngineCoreOutput
 from engine_svc.core.pooling_params import PoolingParams
 from engine_svc.core.sampling_params import SamplingParams
@@ -104,6 +104,7 @@ class EngineLoop:
         self._closed = False  # the loop thread ended: calls are refused
         self._stop = threading.Event()
         self.draining = False
+        self.failure: str | None = None  # set by ``fail``: the engine cannot go on
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ called from any thread
@@ -129,8 +130,15 @@ class EngineLoop:
         if mine:
             self._inbox.put(_Abort(mine))
 
+    def fail(self, reason: str) -> None:
+        """The engine cannot go on (a tensor-parallel worker died): from now on health is
+        NOT_SERVING with ``reason``, new work is refused, and requests the loop fails get it."""
+        self.failure = reason
+
     def unavailable_reason(self) -> str | None:
         """Why the engine cannot take work now (None: it can). Health follows this."""
+        if self.failure is not None:
+            return self.failure
         if self.draining:
             return "the engine is shutting down"
         if self._built.is_set() and not self._thread.is_alive():
@@ -277,9 +285,17 @@ class EngineLoop:
                     self._route(step.outputs, step.errors)
                 if self._sleep.pending:
                     self._try_sleep()
+        except EngineDeadError as e:  # a worker died: not a bug here, and nothing to retry
+            self.fail(str(e))
+            logger.error("engine loop stopped: %s", e)
+            self._fail_all(Unavailable(str(e)))
         except Exception:  # a bug in the engine: fail every request loudly, never hang them
-            logger.exception("engine loop crashed; health is NOT_SERVING from now on")
-            self._fail_all(RuntimeError("the engine loop crashed; see the engine log"))
+            if self.failure is not None:  # the step failed after the engine did
+                logger.error("engine loop stopped: %s", self.failure)
+                self._fail_all(Unavailable(self.failure))
+            else:
+                logger.exception("engine loop crashed; health is NOT_SERVING from now on")
+                self._fail_all(RuntimeError("the engine loop crashed; see the engine log"))
         finally:
             self._refuse_calls()
 

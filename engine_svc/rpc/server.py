@@ -8,13 +8,14 @@ import errno
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from engine_svc.config import ServerConfig
 from engine_svc.engine_core import EngineCore
+from engine_svc.executor import MultiprocExecutor
 from engine_svc.loop.engine_loop import EngineLoop
 from engine_svc.loop.liveness import drain_and_abort
 from engine_svc.rpc import handlers, health, reflection
@@ -48,6 +49,11 @@ class PortUnavailable(OSError):
     """The engine cannot listen where it was told to (the port is taken, or not ours)."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine cannot go on (a tensor-parallel worker died); ``serve`` has reported
+    NOT_SERVING and ended every open call with the reason. The process should exit non-zero."""
+
+
 async def serve(
     build: Callable[[], EngineCore],
     config: ServerConfig,
@@ -60,7 +66,8 @@ async def serve(
     stop.
 
     Raises ``PortUnavailable`` when a port is taken, before building the engine when it can
-    tell.
+    tell; ``EngineFailed`` when the engine cannot go on (a tensor-parallel worker died), after
+    NOT_SERVING and ending every open call with UNAVAILABLE and the reason.
     """
     ports = [config.port] + ([config.health_port] if config.health_port is not None else [])
     for port in ports:
@@ -70,7 +77,7 @@ async def serve(
     try:
         await _serve_built(loop, core, config, started, stop)
     finally:
-        loop.stop()
+        loop.stop(timeout=5.0 if loop.failure is None else 0.5)  # failed: perhaps stuck for good
 
 
 async def _serve_built(
@@ -100,6 +107,7 @@ async def _serve_built(
     await server.start()
     if config.freeze_gc_heap:
         freeze_startup_heap(logger)
+    failed = _on_fatal(loop, core)
     await health_service.set_serving(True)
     watchdog = asyncio.create_task(_watch_progress(loop, health_service), name="engine-health")
     logger.info(
@@ -117,7 +125,11 @@ async def _serve_built(
     print(f"TANDEM_ENGINE_READY {config.host}:{bound}", flush=True)
     if started is not None:
         started.set()
-    await stop.wait()
+    await _first(stop.wait(), failed.wait())
+    if loop.failure is not None:
+        watchdog.cancel()
+        await _end_failed(loop.failure, health_service, servicer, (server, health_server))
+        raise EngineFailed(loop.failure)
 
     logger.info("shutting down: draining for up to %.1fs", config.shutdown_timeout_s)
     watchdog.cancel()
@@ -139,6 +151,47 @@ async def _serve_built(
     await server.stop(grace=2.0)
     if health_server is not None:
         await health_server.stop(grace=1.0)
+
+
+def _on_fatal(loop: EngineLoop, core: EngineCore) -> asyncio.Event:
+    """Set when the engine cannot go on: a tensor-parallel worker died (its executor calls this
+    from its watchdog thread, and ends the process a few seconds later whatever happens)."""
+    failed = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    runner = core.runner
+    if isinstance(runner, MultiprocExecutor):
+
+        def on_worker_death(reason: str) -> None:
+            loop.fail(reason)
+            aio_loop.call_soon_threadsafe(failed.set)
+
+        runner.on_worker_death = on_worker_death
+    return failed
+
+
+async def _first(*waits: Coroutine[object, object, object]) -> None:
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
+
+async def _end_failed(
+    reason: str,
+    health_service: health.HealthService,
+    servicer: EngineServicer,
+    servers: tuple[grpc.aio.Server | None, ...],
+) -> None:
+    """NOT_SERVING to every health watcher, UNAVAILABLE with the reason to every open call, and
+    no grace for requests that cannot finish."""
+    logger.critical("engine NOT_SERVING for good: %s", reason)
+    await health_service.close()
+    await health_service.watches_ended(_CALLS_END_S / 2)
+    servicer.close_calls(f"the engine failed: {reason}")
+    await servicer.calls_ended(_CALLS_END_S / 2)
+    for server in servers:
+        if server is not None:
+            await server.stop(grace=0.2)
 
 
 async def _watch_progress(loop: EngineLoop, service: health.HealthService) -> None:

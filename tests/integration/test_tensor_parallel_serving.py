@@ -1,17 +1,23 @@
 """The gRPC engine at --tensor-parallel-size 2 behind the gateway (issue 33): the openai client's
 greedy completions, whole and streamed, and a JSON-object completion equal the one-rank session
-engine's; SIGTERM stops the engine and its worker process."""
+engine's; SIGTERM stops the engine and its worker process; a killed worker makes the engine
+report NOT_SERVING, end its calls and exit 1, and the gateway's health follows."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import SESSION_ENGINE_FLAGS
 from tests.integration.harness import API_KEY, Engine, Gateway
@@ -108,3 +114,60 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_killed_worker_reports_not_serving_ends_the_calls_and_the_engine(
+    cache_dir: Path, log_dir: Path
+) -> None:
+    """A dead worker: the engine's health watchers get NOT_SERVING, an in-flight completion
+    ends with an error naming the worker (no hang), the engine exits 1, and the gateway's
+    health follows (503)."""
+    engine = Engine(cache_dir, log_dir, *SESSION_ENGINE_FLAGS, "-tp", "2").wait_ready(timeout=120)
+    gateway = None
+    try:
+        log = engine.log_tail(100_000).splitlines()
+        worker = int(next(p for line in log for p in _worker_pids(line)))
+        gateway = Gateway(engine.address, cache_dir, log_dir).wait_healthy()
+        statuses: list[int] = []
+        channel = grpc.insecure_channel(engine.address)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+
+        def follow() -> None:
+            with contextlib.suppress(grpc.RpcError):  # the engine is gone: the channel breaks
+                statuses.extend(r.status for r in watch)
+
+        watcher = threading.Thread(target=follow)
+        watcher.start()
+        client = openai.OpenAI(
+            base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=30
+        )
+        stream = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="Hello",
+            max_tokens=2000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))  # generating
+        os.kill(worker, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(openai.APIError) as failed:
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 10
+        assert engine.wait(timeout=15) == 1
+        watcher.join(5)
+        channel.close()
+        log = engine.log_tail(100_000)
+        assert f"tensor-parallel worker rank 1 (pid {worker}) exited" in log, log
+        assert statuses[0] == health_pb2.HealthCheckResponse.SERVING
+        assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, statuses
+        assert f"worker rank 1 (pid {worker}) exited" in str(failed.value), failed.value
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{gateway.url}/health", timeout=2).status_code != 503:
+            assert time.monotonic() < deadline, "the gateway still reports healthy"
+            time.sleep(0.1)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        engine.kill()
