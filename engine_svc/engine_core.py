@@ -97,6 +97,7 @@ class EngineCore:
             ),
             max_loras=lora.max_loras if lora else 0,
             max_lora_rank=lora.max_lora_rank if lora else 0,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         for name, path in lora.modules if lora else ():  # --lora-modules: a bad one stops here
             self.add_lora(name, self.read_lora(path))

@@ -241,6 +241,7 @@ def model_info_from_pb(info: pb.GetModelInfoResponse) -> ModelInfo:
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
         model_type=info.model_type,
+        tensor_parallel_size=info.tensor_parallel_size or 1,
     )
 
 
@@ -443,6 +444,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.GetModelInfoResponse:
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
         model_type=info.model_type,
+        tensor_parallel_size=info.tensor_parallel_size,
     )
     if info.bos_token_id is not None:
         m.bos_token_id = info.bos_token_id

@@ -215,6 +215,7 @@ class ModelInfo:
     max_loras: int = 0  # LoRA adapters on the device at once; 0: the engine serves none
     max_lora_rank: int = 0  # the largest adapter rank it accepts
     model_type: str = ""  # the checkpoint's config.json model_type ("": unknown)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over
 
 
 @dataclass(frozen=True)

@@ -161,8 +161,12 @@ def test_load_model_info_adapters_and_error_codes_round_trip() -> None:
         max_loras=4,
         max_lora_rank=16,
         model_type="kimi_k2",
+        tensor_parallel_size=4,
     )
     assert convert.model_info_from_pb(convert.model_info_to_pb(info)) == info
+    older = convert.model_info_to_pb(info)
+    older.ClearField("tensor_parallel_size")  # an engine from before the field: one rank
+    assert convert.model_info_from_pb(older).tensor_parallel_size == 1
     adapter = LoraAdapter("x", "/a/x", rank=8, pinned=True, on_device=True)
     assert convert.lora_from_pb(convert.lora_to_pb(adapter)) == adapter
     request_errors = [

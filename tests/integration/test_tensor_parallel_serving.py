@@ -19,6 +19,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos.tandem.engine.v1 import engine_pb2 as pb
+from protos.tandem.engine.v1.engine_pb2_grpc import EngineStub
 from tests.conftest import SESSION_ENGINE_FLAGS
 from tests.integration.harness import API_KEY, Engine, Gateway
 
@@ -64,6 +66,24 @@ def test_greedy_completions_equal_the_one_rank_engine(
     want = _greedy(client, stream=False)
     assert _greedy(tp, stream=False) == want
     assert _greedy(tp, stream=True) == want
+
+
+def test_model_info_and_metrics_report_the_parallel_engine(
+    tp_client: tuple[openai.OpenAI, Engine],
+) -> None:
+    """GetModelInfo reports the layout; the gateway's metrics carry the engine's figures."""
+    tp, engine = tp_client
+    with grpc.insecure_channel(engine.address) as channel:
+        info = EngineStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.tensor_parallel_size == 2 and info.num_kv_blocks > 0
+    _greedy(tp, stream=False)
+    metrics = httpx.get(str(tp.base_url).removesuffix("/v1/") + "/metrics", timeout=10).text
+    generated = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith(f'vllm:generation_tokens_total{{engine="{engine.address}"')
+    ]
+    assert generated and float(generated[0].rsplit(" ", 1)[1]) >= 12, generated
 
 
 def test_a_structured_output_request_gives_the_one_rank_engines_json(

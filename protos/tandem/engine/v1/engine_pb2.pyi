@@ -310,7 +310,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "num_kv_blocks", "kv_capacity_tokens", "max_logprobs", "model_source", "engine_version", "enable_prefix_caching", "kv_cache_dtype", "supported_tasks", "embedding_size", "pooling_type", "is_matryoshka", "matryoshka_dimensions", "labels", "max_loras", "max_lora_rank", "model_type")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "block_size", "num_kv_blocks", "kv_capacity_tokens", "max_logprobs", "model_source", "engine_version", "enable_prefix_caching", "kv_cache_dtype", "supported_tasks", "embedding_size", "pooling_type", "is_matryoshka", "matryoshka_dimensions", "labels", "max_loras", "max_lora_rank", "model_type", "tensor_parallel_size")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -355,7 +356,8 @@ class GetModelInfoResponse(_message.Message):
     max_loras: int
     max_lora_rank: int
     model_type: str
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., model_source: _Optional[str] = ..., engine_version: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., model_source: _Optional[str] = ..., engine_version: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ..., is_matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., model_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
