@@ -21,6 +21,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "architecture_of",
     "checkpoint_dtype",
+    "checkpoint_tensors",
     "iter_safetensor_slices",
     "iter_safetensors",
     "load_model",
@@ -106,12 +107,16 @@ def load_model(
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left on the meta device after materialising: {left[:8]}")
-    # raises if the checkpoint misses any
-    if tp.size == 1:
-        model.load_weights(iter_safetensors(model_dir))
-    else:
-        model.load_weights(iter_safetensor_slices(model_dir))
+    model.load_weights(checkpoint_tensors(model_dir, tp.size))  # raises if one is missing
     return model.eval()
+
+
+def checkpoint_tensors(
+    model_dir: str | Path, tp_size: int
+) -> Iterator[tuple[str, torch.Tensor]] | Iterator[tuple[str, TensorSlice]]:
+    """What ``load_weights`` reads: whole tensors for one rank, slices (each rank reads its own
+    part of each tensor from the file) for several."""
+    return iter_safetensors(model_dir) if tp_size == 1 else iter_safetensor_slices(model_dir)
 
 
 def _materialise_empty(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

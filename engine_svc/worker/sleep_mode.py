@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine_svc.models.loader import iter_safetensors
+from engine_svc.models.loader import checkpoint_tensors
 
 SLEEP_LEVELS = (1, 2)
 
@@ -63,7 +63,8 @@ class SleepingWeights:
                 s.tensor.data = s.host.to(self.device, non_blocking=True)
         if reload:
             with torch.no_grad():
-                model.load_weights(iter_safetensors(checkpoint))  # type: ignore[operator]
+                tp_size = model.plan.tp.size  # type: ignore[union-attr]  # a sharded model: its slices
+                model.load_weights(checkpoint_tensors(checkpoint, tp_size))  # type: ignore[operator]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the host copies may go once this returns
         self.stashed.clear()

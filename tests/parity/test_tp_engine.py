@@ -108,3 +108,18 @@ def test_logprobs_equal_the_one_rank_engine(
             assert a is not None and b is not None
             assert a.token_id == b.token_id and list(a.top) == list(b.top)
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_up_on_every_rank_keep_the_output(tp_engine: EngineCore, level: int) -> None:
+    """Every rank sleeps and wakes (at level 2 each reads its own slices of the checkpoint
+    again); the output after waking is the output before."""
+    prompts = _prompts([19, 8], seed=21)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    before, _, _ = _run(tp_engine, prompts, greedy)
+    tp_engine.sleep(level)
+    assert tp_engine.is_sleeping and tp_engine.runner.kv_cache_nbytes() == 0
+    tp_engine.wake_up()
+    assert not tp_engine.is_sleeping
+    after, _, _ = _run(tp_engine, prompts, greedy)
+    assert after == before
