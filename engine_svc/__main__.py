@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks share its cores); 1: one process (default %(default)s)",
     )
     p.add_argument(
+        "--distributed-executor-backend",
+        choices=("uni", "mp"),
+        default=None,
+        help="how the ranks run (vLLM's flag): uni, in this process (one rank); mp, rank 0 in "
+        "this process and a worker process for each other rank (default: uni for one rank, mp "
+        "for more)",
+    )
+    p.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -343,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
             )
+        if args.distributed_executor_backend == "uni" and args.tensor_parallel_size > 1:
+            raise ValueError("--distributed-executor-backend uni runs one rank only; use mp")
         kv_cache_memory = _kv_cache_memory(args)
         chat_template = (
             None if args.chat_template is None else read_chat_template(args.chat_template)
@@ -396,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
             enforce_eager=args.enforce_eager,
             cuda_graph_sizes=_cuda_graph_sizes(args),
             tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
             speculative=speculative,
             lora=lora_config,
             profile_dir=args.profile_dir,

@@ -126,6 +126,10 @@ class EngineConfig:
     # Tensor-parallel ranks (vLLM's --tensor-parallel-size): the model sharded over this many
     # processes, one device each (engine_svc.executor). 1: the in-process model runner.
     tensor_parallel_size: int = 1
+    # How the ranks run (vLLM's --distributed-executor-backend): "uni", the in-process model
+    # runner (one rank); "mp", the multi-process executor (rank 0 in this process, a worker
+    # process for each other rank). None: "uni" for one rank, "mp" for more.
+    distributed_executor_backend: str | None = None
     # Speculative decoding (vLLM's --speculative-config): n-gram proposals verified in one
     # step (engine_svc.spec_decode). None: off.
     speculative: NgramConfig | None = None
@@ -143,6 +147,13 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(
+                "distributed_executor_backend must be 'uni' or 'mp', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank only; use 'mp'")
         if self.attention_backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "

@@ -71,8 +71,8 @@ class MultiprocExecutor:
         size: int,
         on_worker_death: Callable[[str], None] = exit_engine,
     ) -> None:
-        if size < 2:
-            raise ValueError(f"the multi-process executor needs at least 2 ranks, got {size}")
+        if size < 1:
+            raise ValueError(f"the multi-process executor needs at least 1 rank, got {size}")
         self.size = size
         self.on_worker_death = on_worker_death
         self._closing = threading.Event()
@@ -151,8 +151,8 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ one step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if so.is_empty and not so.finished_ids and not so.preempted_ids:
-            return self.rank0.execute(so)  # nothing for the workers to know
+        if not self._conns or (so.is_empty and not so.finished_ids and not so.preempted_ids):
+            return self.rank0.execute(so)  # no worker, or nothing for them to know
         msg = self._encoder.encode(so)
         try:
             for conn in self._conns:
@@ -234,8 +234,11 @@ class MultiprocExecutor:
 
 def make_model_runner(config: EngineConfig, max_model_len: int) -> ModelRunner | MultiprocExecutor:
     """The runner ``EngineCore`` drives: the in-process ``ModelRunner`` for one rank (the
-    default, with nothing of the executor in its path), else the multi-process executor."""
+    default, with nothing of the executor in its path), else the multi-process executor (also
+    for one rank, asked for with ``distributed_executor_backend="mp"``: its group of one runs
+    the same model, the executor's bookkeeping around it)."""
     size = config.tensor_parallel_size
-    if size == 1:
+    backend = config.distributed_executor_backend or ("uni" if size == 1 else "mp")
+    if backend == "uni":
         return ModelRunner(config, max_model_len)
     return MultiprocExecutor(config, max_model_len, size)

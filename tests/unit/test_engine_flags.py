@@ -52,6 +52,8 @@ def test_every_engine_flag_has_help() -> None:
         (["--tokenizer", "Qwen/Qwen3-8B"], "tokenizer", "Qwen/Qwen3-8B"),
         (["--tokenizer-revision", "abc"], "tokenizer_revision", "abc"),
         (["--chat-template", "t.jinja"], "chat_template", "t.jinja"),
+        (["--distributed-executor-backend", "mp"], "distributed_executor_backend", "mp"),
+        ([], "distributed_executor_backend", None),
     ],
 )
 def test_vllm_spellings_and_ours(argv: list[str], dest: str, value: object) -> None:
@@ -72,6 +74,10 @@ def test_trust_remote_code_is_refused_in_one_line() -> None:
         (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory: cannot parse memory size"),
         (["--chat-template", "no/such/template.jinja"], "--chat-template 'no/such/template"),
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (
+            ["-tp", "2", "--distributed-executor-backend", "uni"],
+            "--distributed-executor-backend uni runs one rank only",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv: list[str], message: str) -> None:
