@@ -1,13 +1,16 @@
-"""What the tensor-parallel executor adds to a decode step, on the CPU: the same engine at
-``--tensor-parallel-size`` 1 (the in-process runner) and 2 (rank 0 in process, one worker
-process, gloo), decode steps timed at several batch sizes in the same run.
+"""What the tensor-parallel executor adds to a decode step, on the CPU: the same engine as the
+in-process runner (TP=1), through the multi-process executor with one rank (TP=1 mp: a group of
+one, no worker) and with two (TP=2: rank 0 in process, one worker process, gloo), decode steps
+timed at several batch sizes in the same run. One process joins one group at a time, so the
+engines are built one after another, and the whole comparison runs ``--rounds`` times.
 
-    python benchmarks/tp_step.py [--shape llama-h512] [--batch 1 16 64] [--steps 20]
+    python benchmarks/tp_step.py [--shape llama-h512] [--batch 1 16 64] [--steps 20] [--rounds 2]
 
-Reported per batch: ms per decode step at TP=1 and TP=2, and the step channel alone (encoding the
-scheduler output and sending it to the worker, ``StepEncoder`` over the pipe), µs. On a 2-core
-machine the two ranks share the cores, so TP=2's forward is no faster than TP=1's: the figure
-that matters here is the channel's cost, which is what a real multi-GPU step pays on top.
+Reported per batch (medians over rounds): ms per decode step for each engine, and the TP=2 step
+channel alone (encoding the scheduler output and sending it to the worker, ``StepEncoder`` over
+the pipe), µs. Rank 0 samples in process, so nothing is gathered back. On a 2-core machine the
+two ranks share the cores, so TP=2's forward is no faster than TP=1's: the figures that matter
+here are the executor's own costs, which a real multi-GPU step pays on top.
 """
 
 from __future__ import annotations
@@ -74,36 +77,61 @@ def decode_ms(core: EngineCore, batch: int, steps: int) -> tuple[float, list[flo
     return statistics.median(times), sends
 
 
+ENGINES = {"tp1": (1, None), "tp1_mp": (1, "mp"), "tp2": (2, None)}
+
+
+def measure(model: Path, name: str, batches: list[int], steps: int) -> dict[int, tuple]:
+    """{batch: (ms per step, channel µs or None)} of one engine, built and shut down here."""
+    tp, backend = ENGINES[name]
+    core = EngineCore(
+        EngineConfig(
+            model=ModelConfig(str(model), dtype="float32", max_model_len=512),
+            cache=CacheConfig(num_kv_blocks=max(batches) * 8 + 16),
+            scheduler=SchedulerConfig(max_num_seqs=max(batches)),
+            tensor_parallel_size=tp,
+            distributed_executor_backend=backend,
+        )
+    )
+    threads = torch.get_num_threads()  # the executor gives its ranks their share of the CPUs
+    try:
+        out = {}
+        for b in batches:
+            ms, sends = decode_ms(core, b, steps)
+            out[b] = (ms, statistics.median(sends) if sends else None)
+        return out
+    finally:
+        shutdown = getattr(core.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="llama-h512")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     model = cached_model(args.shape, torch.float32)
-    cores = {}
-    for tp in (1, 2):
-        cores[tp] = EngineCore(
-            EngineConfig(
-                model=ModelConfig(str(model), dtype="float32", max_model_len=512),
-                cache=CacheConfig(num_kv_blocks=max(args.batch) * 8 + 16),
-                scheduler=SchedulerConfig(max_num_seqs=max(args.batch)),
-                tensor_parallel_size=tp,
-            )
-        )
+    runs: dict[str, list[dict[int, tuple]]] = {name: [] for name in ENGINES}
+    for r in range(args.rounds):
+        order = list(ENGINES) if r % 2 == 0 else list(reversed(ENGINES))
+        for name in order:
+            runs[name].append(measure(model, name, args.batch, args.steps))
     rows: list[dict[str, Any]] = []
-    print(f"{'batch':>5} {'TP=1 ms':>8} {'TP=2 ms':>8} {'channel us':>10}")
+    print(f"{'batch':>5} {'TP=1 ms':>8} {'TP=1 mp':>8} {'TP=2 ms':>8} {'channel us':>10}")
     for b in args.batch:
-        one, _ = decode_ms(cores[1], b, args.steps)
-        two, sends = decode_ms(cores[2], b, args.steps)
+        med = {n: statistics.median(run[b][0] for run in runs[n]) for n in ENGINES}
+        sends = [run[b][1] for run in runs["tp2"] if run[b][1] is not None]
         channel = statistics.median(sends) if sends else None
-        rows.append(dict(batch=b, tp1_ms=one, tp2_ms=two, channel_us=channel))
+        rows.append(
+            dict(batch=b, tp1_ms=med["tp1"], tp1_mp_ms=med["tp1_mp"], tp2_ms=med["tp2"],
+                 channel_us=channel, rounds=args.rounds)
+        )  # fmt: skip
         ch = "-" if channel is None else f"{channel:.0f}"
-        print(f"{b:>5} {one:8.2f} {two:8.2f} {ch:>10}")
-    shutdown = getattr(cores[2].runner, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+        print(f"{b:>5} {med['tp1']:8.2f} {med['tp1_mp']:8.2f} {med['tp2']:8.2f} {ch:>10}")
     if args.out:
         args.out.write_text(json.dumps(dict(**provenance(), rows=rows), indent=2))
         print(f"wrote {args.out}")
