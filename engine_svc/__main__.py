@@ -345,8 +345,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         if speculative is not None and args.tensor_parallel_size > 1:
             raise ValueError("--speculative-config does not run with --tensor-parallel-size yet")
-        if lora_config is not None and args.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora does not run with --tensor-parallel-size yet")
         if args.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"

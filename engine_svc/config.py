@@ -137,8 +137,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run with tensor parallelism yet")
-        if self.lora is not None and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters do not run with tensor parallelism yet")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):

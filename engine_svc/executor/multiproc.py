@@ -42,6 +42,7 @@ from engine_svc.distributed import destroy_tensor_parallel, init_tensor_parallel
 from engine_svc.executor.step_message import StepEncoder
 from engine_svc.executor.worker_proc import cpu_threads, rank_device, worker_main
 from engine_svc.lora.manager import LoRAManager
+from engine_svc.lora.registry import Placement
 from engine_svc.models.llama import DecoderSpec
 from engine_svc.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -139,7 +140,20 @@ class MultiprocExecutor:
 
     @property
     def lora(self) -> LoRAManager | None:
-        return None  # LoRA is not served with tensor parallelism yet (the model refuses it)
+        """Rank 0's adapters: the engine adds, pins and removes them there, and its registry
+        decides every rank's slots (``step_message``: the workers' follow)."""
+        return self.rank0.lora
+
+    def _lora_placement(self, so: SchedulerOutput) -> Placement | None:
+        """Rank 0's slots for step ``so``, its adapters put there before the workers hear of
+        it (rank 0's runner finds them in place: the same ids in the same order, no load)."""
+        lora = self.rank0.lora
+        if lora is None:
+            return None
+        needed = sorted({s.request.lora_id for s in so.scheduled if s.request.lora_id})
+        if needed:
+            lora.prepare(needed)
+        return lora.placement()
 
     @property
     def sleep_level(self) -> int:
@@ -153,7 +167,7 @@ class MultiprocExecutor:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if not self._conns or (so.is_empty and not so.finished_ids and not so.preempted_ids):
             return self.rank0.execute(so)  # no worker, or nothing for them to know
-        msg = self._encoder.encode(so)
+        msg = self._encoder.encode(so, self._lora_placement(so))
         try:
             for conn in self._conns:
                 conn.send(("step", msg))

@@ -20,6 +20,11 @@ tokens come with the next message and are what a worker feeds its model (``worke
 structured-output request's grammar matcher stays with the scheduler: rank 0 masks and samples,
 a worker's mirror has no grammar (its unmasked sample is replaced by rank 0's token before the
 model sees it), and the grammar decides nothing a collective depends on.
+
+LoRA: a mirror keeps its request's adapter id (``lora_id``), and the message brings what rank
+0's adapter slots hold whenever that changed (``lora``: each slot's adapter id and directory,
+rank 0 having already put this step's adapters in their slots), so a worker puts the same
+adapter in the same slot (``LoRAManager.follow``) before its runner maps the step's tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 
 from engine_svc.core.request import Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine_svc.lora.registry import Placement
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class StepMessage:
         new_counts -> new_tokens                output tokens rank 0 appended since the last
                                                 message, concatenated
         block_counts -> block_ids               blocks allocated this step, concatenated
+        lora                                    rank 0's LoRA slots, when they changed
     """
 
     admitted: list[ScheduledDelta]
@@ -68,6 +75,7 @@ class StepMessage:
     num_batched_tokens: int
     preempted_ids: list[str]
     finished_ids: list[str]
+    lora: Placement | None = None  # None: the slots hold what they held at the last message
 
     def new_token_runs(self) -> Iterator[tuple[str, list[int]]]:
         """(request id, the output tokens rank 0 appended since the last message) of each
@@ -84,8 +92,10 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._known: dict[str, int] = {}
+        self._lora: Placement | None = None  # the LoRA slots the workers last heard of
 
-    def encode(self, so: SchedulerOutput) -> StepMessage:
+    def encode(self, so: SchedulerOutput, lora: Placement | None = None) -> StepMessage:
+        """``lora``: what rank 0's LoRA slots hold for this step (None: LoRA is off)."""
         known = self._known
         for rid in (*so.finished_ids, *so.preempted_ids):
             known.pop(rid, None)
@@ -118,10 +128,12 @@ class StepEncoder:
                 if s.block_ids:
                     block_ids += s.block_ids
             known[rid] = len(outputs)
+        changed = lora if lora != self._lora else None
+        self._lora = lora
         return StepMessage(
             admitted, bytes(flags), ids, num_tokens, computed, new_counts, new_tokens,
             block_counts, block_ids, so.num_batched_tokens, list(so.preempted_ids),
-            list(so.finished_ids),
+            list(so.finished_ids), changed,
         )  # fmt: skip
 
 

@@ -88,6 +88,9 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
         if kind == "step":
             assert isinstance(arg, StepMessage)
             so = mirrors.decode(arg)
+            if arg.lora is not None:
+                assert runner.lora is not None, "rank 0 serves LoRA adapters: so does this rank"
+                runner.lora.follow(arg.lora)  # rank 0's slots, before the runner maps tokens
             _take_rank0_tokens(runner.input_batch, arg, mirrors)
             out = runner.execute(so)
             mirrors.keep_prompt_logprobs(out.prompt_logprobs)  # type: ignore[arg-type]

@@ -7,6 +7,11 @@ the scheduler. Reading an adapter directory (:meth:`LoRAManager.read`) touches n
 gRPC layer does it on a worker thread and hands the result to :meth:`LoRAManager.add`; only an
 adapter whose host copy was dropped (``max_cpu_loras``) is read again here, when a request or a
 pin needs it.
+
+Tensor parallelism: every rank has a manager whose slots hold its slice of the adapters
+(``LoRAWeights``). Rank 0's decides; a worker's registry stays empty and its slots follow rank
+0's (:meth:`LoRAManager.placement` travels with the step message, :meth:`LoRAManager.follow`
+on the worker), so an adapter sits in the same slot on every rank.
 """
 
 from __future__ import annotations
@@ -20,22 +25,33 @@ import torch
 from engine_svc.lora.adapter import LoRAAdapter, ModelDims, load_adapter
 from engine_svc.lora.config import LoRAConfig, check_lora_name
 from engine_svc.lora.errors import LoRAInvalidError, LoRAPathNotFoundError
-from engine_svc.lora.registry import Dropped, LoRAInfo, LoRARegistry
+from engine_svc.lora.registry import Dropped, LoRAInfo, LoRARegistry, Placement
 from engine_svc.lora.weights import LoRAWeights
+from engine_svc.models.parallel import ShardPlan
 
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
     def __init__(
-        self, config: LoRAConfig, dims: ModelDims, dtype: torch.dtype, device: torch.device
+        self,
+        config: LoRAConfig,
+        dims: ModelDims,
+        dtype: torch.dtype,
+        device: torch.device,
+        plan: ShardPlan | None = None,
     ) -> None:
+        """``dims``: the whole model's (what an adapter is checked against); ``plan``: the
+        tensor-parallel rank whose slice of each adapter the device slots hold (None: all)."""
         self.config = config
         self.dims = dims
         self.dtype = dtype
         self.registry = LoRARegistry(config.max_loras, config.max_cpu_loras)
-        self.weights = LoRAWeights(dims, config.max_loras, config.max_lora_rank, dtype, device)
+        self.weights = LoRAWeights(
+            dims, config.max_loras, config.max_lora_rank, dtype, device, plan
+        )
         self._host: dict[int, LoRAAdapter] = {}
+        self._followed: Placement | None = None  # a tensor-parallel worker: rank 0's slots
 
     # ------------------------------------------------------------------ any thread
     def read(self, path: str | Path) -> LoRAAdapter:
@@ -118,7 +134,9 @@ class LoRAManager:
     # ------------------------------------------------------------------ one step
     def prepare(self, needed: Iterable[int]) -> dict[int, int]:
         """Put every adapter of the coming step on the device (moving least recently used ones
-        out) and return lora id -> slot."""
+        out) and return lora id -> slot. A tensor-parallel worker: the slots rank 0 chose."""
+        if self._followed is not None:
+            return {lora_id: self._followed.slot_of(lora_id) for lora_id in needed}
         needed = list(needed)
         for load in self.registry.assign_slots(needed):
             self.weights.load(load.slot, self._host[load.lora_id])
@@ -128,6 +146,34 @@ class LoRAManager:
             assert slot is not None, "assign_slots placed every needed adapter"
             slots[lora_id] = slot
         return slots
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def placement(self) -> Placement:
+        """Rank 0: what its slots and host memory hold (for :meth:`follow` on the workers)."""
+        return self.registry.placement()
+
+    def follow(self, placement: Placement) -> None:
+        """A tensor-parallel worker: make this rank's slots hold what rank 0's hold, and from
+        now on take each step's slots from rank 0 (:meth:`prepare`) instead of deciding them.
+        An adapter not in this rank's host memory is read from its directory (and its slice
+        copied to the device); host copies rank 0 dropped are dropped here too."""
+        self._host = {i: a for i, a in self._host.items() if i in placement.host_ids}
+        followed = self._followed
+        held = (None,) * self.weights.num_slots if followed is None else followed.slots
+        for slot, (now, want) in enumerate(zip(held, placement.slots, strict=True)):
+            if want == now:
+                continue  # ids are never reused: the same id is the same weights
+            if want is None:
+                self.weights.clear(slot)
+                continue
+            adapter = self._host.get(want.lora_id)
+            if adapter is None:
+                logger.info("LoRA adapter %d: reading %s", want.lora_id, want.path)
+                adapter = self.read(want.path)
+                if want.lora_id in placement.host_ids:
+                    self._host[want.lora_id] = adapter
+            self.weights.load(slot, adapter)
+        self._followed = placement
 
     # ------------------------------------------------------------------ memory
     def _reload(self, lora_id: int) -> None:

@@ -67,6 +67,29 @@ class SlotLoad:
     slot: int
 
 
+@dataclass(frozen=True)
+class SlotAdapter:
+    """The adapter a device slot holds: its id and the directory it was read from."""
+
+    lora_id: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the device slots and host memory hold: tensor parallelism's workers hold the same as
+    rank 0 (whose registry decides for every rank)."""
+
+    slots: tuple[SlotAdapter | None, ...]  # slot -> its adapter (None: free)
+    host_ids: frozenset[int]  # the adapters whose weights are in host memory
+
+    def slot_of(self, lora_id: int) -> int:
+        for slot, held in enumerate(self.slots):
+            if held is not None and held.lora_id == lora_id:
+                return slot
+        raise KeyError(f"LoRA adapter {lora_id} is in no device slot")
+
+
 @dataclass
 class Dropped:
     """Memory to release after a registry change: host copies, and whole adapters."""
@@ -116,6 +139,13 @@ class LoRARegistry:
     def slots(self) -> list[int | None]:
         """Slot -> lora id (None: free), for tests and debugging."""
         return list(self._slots)
+
+    def placement(self) -> Placement:
+        """What every device slot holds now, and which adapters are in host memory."""
+        return Placement(
+            tuple(None if i is None else SlotAdapter(i, self._by_id[i].path) for i in self._slots),
+            frozenset(e.lora_id for e in self._by_id.values() if e.on_host),
+        )
 
     def lru_order(self) -> list[int]:
         """Ids from least to most recently used."""

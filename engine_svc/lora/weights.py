@@ -9,6 +9,20 @@ per-module matrices land in the fused stack's shard, at the shard's output offse
               a[slot][:, 0:r]       = A_q.T     b[slot][0:r, 0:q]          = B_q.T
               a[slot][:, R:R+r]     = A_k.T     b[slot][0:r, q:q+kv]       = B_k.T
               a[slot][:, 2R:2R+r]   = A_v.T     b[slot][0:r, q+kv:q+2kv]   = B_v.T
+
+Tensor parallelism (``plan`` of more than one rank): each rank's stacks are the slice of the
+adapter that goes with its shard of the base layer, cut by the base layer's own rule
+(``ShardPlan.checkpoint_cut``), and the rest is replicated::
+
+    column-parallel (qkv, gate_up)   A whole; B's output rows of this rank's q / k / v (or gate /
+                                     up) columns, each shard cut like the base weight's (KV heads
+                                     replicated when there are fewer than ranks)
+    row-parallel (o, down)           A's input columns of this rank's share; B whole: the delta
+                                     of the partial input is a partial sum, added to the layer's
+                                     partial output before its all-reduce
+
+Every rank holds the whole adapter on the host (read from its directory and checked against
+the whole model) and copies only its slice to the device.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ import torch
 
 from engine_svc.lora.adapter import LoRAAdapter, LoRAModule, ModelDims
 from engine_svc.lora.ops import LoRAMapping, add_lora
+from engine_svc.models.parallel import CheckpointCut, ShardPlan, read_cut
 
 # fused linear of our model -> the checkpoint modules it holds, in output order
 FUSED: dict[str, tuple[str, ...]] = {
@@ -28,7 +43,10 @@ FUSED: dict[str, tuple[str, ...]] = {
 
 
 class LoRALinearStack:
-    """The slots of one (fused) linear: a [S, in, n * R], b [S, R, out]."""
+    """The slots of one (fused) linear: a [S, in, n * R], b [S, R, out] (this rank's ``in`` and
+    ``out``). ``cuts[i]``: the slice of shard i's matrices this rank holds (None: all of it); a
+    cut along dim 0 is of B's output rows (column-parallel), along dim 1 of A's input columns
+    (row-parallel)."""
 
     def __init__(
         self,
@@ -39,10 +57,12 @@ class LoRALinearStack:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        cuts: tuple[CheckpointCut | None, ...] | None = None,
     ) -> None:
         self.shards = shards
         self.max_rank = max_rank
         self.out_sizes = out_sizes
+        self.cuts = cuts or (None,) * len(shards)
         k = len(shards) * max_rank
         self.a = torch.zeros(num_slots, in_features, k, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, max_rank, sum(out_sizes), dtype=dtype, device=device)
@@ -59,13 +79,19 @@ class LoRALinearStack:
         a.zero_()
         b.zero_()
         offset = 0
-        for i, (shard, out) in enumerate(zip(self.shards, self.out_sizes, strict=True)):
+        shards = zip(self.shards, self.out_sizes, self.cuts, strict=True)
+        for i, (shard, out, cut) in enumerate(shards):
             m = modules.get(shard)
             if m is not None:
                 k0, r = i * self.max_rank, m.rank
-                a[:, k0 : k0 + r].copy_(m.a.t())
+                ma, mb = m.a, m.b
+                if cut is not None and cut.dim == 0:  # column-parallel: this rank's outputs
+                    mb = read_cut(mb, cut, f"{shard}.lora_B")
+                elif cut is not None:  # row-parallel: this rank's inputs
+                    ma = read_cut(ma, cut, f"{shard}.lora_A")
+                a[:, k0 : k0 + r].copy_(ma.t())
                 # scaling folded into B, in float32 before the cast to the serving dtype
-                b[:r, offset : offset + out].copy_(m.b.t().float() * m.scaling)
+                b[:r, offset : offset + out].copy_(mb.t().float() * m.scaling)
             offset += out
 
     def clear(self, slot: int) -> None:
@@ -77,7 +103,8 @@ class LoRALinearStack:
 
 
 class LoRAWeights:
-    """Every adaptable linear's slots: ``layers[i][fused_name]``."""
+    """Every adaptable linear's slots: ``layers[i][fused_name]``. ``plan``: the rank whose
+    shard of the model they go with (None: the whole model, one process)."""
 
     def __init__(
         self,
@@ -86,21 +113,14 @@ class LoRAWeights:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        plan: ShardPlan | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
-        f = dims.features
+        self.plan = plan
         self.layers = [
             {
-                fused: LoRALinearStack(
-                    shards,
-                    f[shards[0]][0],
-                    tuple(f[s][1] for s in shards),
-                    num_slots,
-                    max_rank,
-                    dtype,
-                    device,
-                )
+                fused: _stack(fused, shards, dims, plan, num_slots, max_rank, dtype, device)
                 for fused, shards in FUSED.items()
             }
             for _ in range(dims.num_layers)
@@ -134,3 +154,30 @@ class LoRAWeights:
             for stacks in self.layers
             for s in stacks.values()
         )
+
+
+def _stack(
+    fused: str,
+    shards: tuple[str, ...],
+    dims: ModelDims,
+    plan: ShardPlan | None,
+    num_slots: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoRALinearStack:
+    """The slots of linear ``fused`` for this rank: each shard cut as the base weight is."""
+    in_features = dims.features[shards[0]][0]
+    out_sizes = [dims.features[s][1] for s in shards]
+    base = f"layers.0.{fused}.weight"  # the base weight (every layer is cut alike)
+    cuts: list[CheckpointCut | None] = []
+    for i in range(len(shards)):
+        cut = None if plan is None else plan.checkpoint_cut(base, i if len(shards) > 1 else None)
+        if cut is not None and cut.dim == 0:
+            out_sizes[i] = cut.size
+        elif cut is not None:
+            in_features = cut.size
+        cuts.append(cut)
+    return LoRALinearStack(
+        shards, in_features, tuple(out_sizes), num_slots, max_rank, dtype, device, tuple(cuts)
+    )

@@ -17,7 +17,9 @@ LoRA: with adapters served (``attach_lora``), each of the four linears of a laye
 slots of the stacked adapter weights, and a step's ``LoRAMapping`` (which slot each token uses,
 built by the model runner) is passed down with the attention metadata; the adapters' deltas are
 added to the linears' outputs (``engine_svc.lora.ops``). A step with no adapter token passes
-None and runs exactly the base model.
+None and runs exactly the base model. Sharded, each rank's slots hold the slice of the adapter
+that goes with its shard (``lora.weights``), and o / down add their delta to the partial sum
+before the all-reduce.
 
 Tensor parallelism: built with a ``TPGroup`` of more than one rank, the model holds this rank's
 shard (``models/parallel.py``: column-parallel q/k/v and gate/up, row-parallel o and down with
@@ -353,9 +355,15 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def attach_lora(self, weights: LoRAWeights) -> None:
-        """Give each adaptable linear its slots of the stacked LoRA weights (once, at start)."""
-        if self.plan.tp.size > 1:
-            raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
+        """Give each adaptable linear its slots of the stacked LoRA weights (once, at start):
+        sliced for this rank's shard (``LoRAWeights``' plan). Row-parallel o and down add the
+        adapter's partial delta before their all-reduce (``Attention`` / ``MLP.forward``)."""
+        plan = weights.plan or self.spec.shard_plan(SINGLE)  # None: the whole model's
+        if plan != self.plan:
+            raise ValueError(
+                f"LoRA weights sliced for rank {plan.tp.rank} of {plan.tp.size}, the model is "
+                f"rank {self.plan.tp.rank} of {self.plan.tp.size}"
+            )
         for layer, stacks in zip(self.layers, weights.layers, strict=True):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.qkv_lora = stacks["qkv_proj"]

@@ -101,7 +101,8 @@ class ModelRunner:
         self.lora: LoRAManager | None = None
         if config.lora is not None:
             dims = ModelDims.from_spec(self.spec)
-            self.lora = LoRAManager(config.lora, dims, self.dtype, self.device)
+            plan = self.model.plan  # TP (issue 33): each rank's slots hold its slice
+            self.lora = LoRAManager(config.lora, dims, self.dtype, self.device, plan)
             self.model.attach_lora(self.lora.weights)
         self.layout = self._kv_layout()
         self.kv_caches = self._allocate_kv_caches()

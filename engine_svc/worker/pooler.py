@@ -17,6 +17,10 @@ Where a request's tokens sit in the step's flattened batch (``StepInputs``)::
 
     entry i      tokens first[i] .. last_index[i]     first[i] = last_index[i] - num_tokens + 1
     positions    num_computed_tokens .. num_computed_tokens + num_tokens - 1
+
+Tensor parallelism: every rank's hidden states are whole (the row-parallel layers all-reduce)
+and the classifier head is replicated, so rank 0 pools alone and its results are the step's; a
+worker's pooler returns nothing and keeps no state (pooling runs no collective).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Pooler:
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
+        self._pools = model.plan.tp.is_first  # a tensor-parallel worker's results are unused
         self._sums: dict[str, torch.Tensor] = {}  # MEAN: float32 [hidden] over positions so far
         self._first: dict[str, torch.Tensor] = {}  # CLS: float32 [hidden] at position 0
 
@@ -58,6 +63,8 @@ class Pooler:
     def pool(self, step: StepInputs, hidden: torch.Tensor, entries: np.ndarray) -> PooledResults:
         """Pool the pooling ``entries`` (indices into ``step.batch``) whose prompt ends in this
         step; keep partial state for the others. Returns request id -> float32 result."""
+        if not self._pools:
+            return {}
         reqs = [step.batch[i].request for i in entries]
         params = [_params(r) for r in reqs]
         num_tokens = np.fromiter((step.batch[i].num_tokens for i in entries), np.int64, len(reqs))

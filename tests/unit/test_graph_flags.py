@@ -31,7 +31,6 @@ def test_tensor_parallel_size_reaches_the_config() -> None:
         (["--cuda-graph-sizes", "0"], "at least 1"),
         (["--max-cuda-graph-batch-size", "-4"], "at least 1"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
-        (["-tp", "2", "--enable-lora"], "--enable-lora does not run with --tensor-parallel"),
     ],
 )
 def test_bad_graph_flags_exit_with_a_message(argv: list[str], message: str) -> None:
