@@ -1,9 +1,15 @@
-"""Speculative decoding (n-gram proposals) against none, in one run: output tokens/s, the
-proposals' acceptance, and the tokens each verification step emits.
+"""Speculative decoding (n-gram proposals, a draft model) against none, in one run: output
+tokens/s, the proposals' acceptance, and the tokens each verification step emits.
 
     python benchmarks/spec_decode.py [--shape llama-h512] [--batch 1 16] [--k 4] [--rounds 2]
     python benchmarks/spec_decode.py --device cuda --dtype bfloat16 --shape qwen3-0.6b \\
         --batch 1 16 64          # the GPU phase of scripts/gpu_session.sh
+    python benchmarks/spec_decode.py --systems none draft --append \\
+        --out benchmarks/results/spec_decode_cpu.json   # a run added beside the file's rows
+
+The draft model (``--systems draft``) is made from the target on the fly: its first
+``--draft-layers`` layers (default a quarter, at least one) with the target's embeddings, final
+norm and head (``tests/parity/draft_checkpoint.py``).
 
 The workload is edit-style: each prompt is a few random spans, each repeated several times (a
 document and its revision), and generation is greedy with ``--max-tokens`` new tokens (EOS
@@ -20,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +43,8 @@ from throughput import SHAPES  # noqa: E402
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine_svc.core.sampling_params import SamplingParams  # noqa: E402
 from engine_svc.engine_core import EngineCore  # noqa: E402
-from engine_svc.spec_decode.ngram import NgramConfig  # noqa: E402
+from engine_svc.spec_decode.config import DraftModelConfig, NgramConfig  # noqa: E402
+from tests.parity.draft_checkpoint import layer_prefix_draft  # noqa: E402
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -92,14 +98,34 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--systems", nargs="+", choices=["none", "ngram", "draft"], default=["none", "ngram"]
+    )
+    ap.add_argument("--draft-layers", type=int, default=None, help="default: a quarter")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--append", action="store_true",
+        help="add this run to --out's \"runs\" list, keeping what the file holds",
+    )  # fmt: skip
     args = ap.parse_args()
+    if "none" not in args.systems:
+        ap.error("--systems needs none (the baseline)")
     dtype = getattr(torch, args.dtype)
     model = cached_model(args.shape, dtype)
     vocab = SHAPES[args.shape]["vocab_size"]
-    spec = NgramConfig(args.k, 1, 4)
+    layers = SHAPES[args.shape]["num_hidden_layers"]
+    args.draft_layers = args.draft_layers or max(1, layers // 4)
+    systems: dict[str, NgramConfig | DraftModelConfig | None] = {"none": None}
+    if "ngram" in args.systems:
+        systems[f"ngram k={args.k}"] = NgramConfig(args.k, 1, 4)
+    if "draft" in args.systems:
+        draft = model.parent / f"{model.name}-first{args.draft_layers}"
+        if not (draft / "model.safetensors").is_file():
+            layer_prefix_draft(model, draft, args.draft_layers)
+        name = f"draft {args.draft_layers}/{layers}L k={args.k}"
+        systems[name] = DraftModelConfig(str(draft), args.k)
     engines = {}
-    for name, sp in (("none", None), (f"ngram k={args.k}", spec)):
+    for name, sp in systems.items():
         engines[name] = EngineCore(
             EngineConfig(
                 model=ModelConfig(str(model), dtype=args.dtype, max_model_len=1024),
@@ -110,7 +136,7 @@ def main() -> None:
             )
         )
     rows = []
-    print(f"{'batch':>5} {'system':>12} {'tok/s':>9} {'steps':>6} {'accept':>7} {'tok/verify':>10} "
+    print(f"{'batch':>5} {'system':>20} {'tok/s':>9} {'steps':>6} {'accept':>7} {'tok/verify':>10} "
           f"{'x none':>7}")  # fmt: skip
     for b in args.batch:
         batch = prompts(b, vocab, seed=b)
@@ -122,7 +148,8 @@ def main() -> None:
                 rounds[name].append(run(core, batch, args.max_tokens))
         outs = [r["outputs"] for runs in rounds.values() for r in runs]
         assert all(o == outs[0] for o in outs), "speculation changed the greedy output"
-        base = statistics.median(r["output_tok_s"] for r in rounds["none"])
+        # the same median as each row's (the upper middle of an even count): none is 1.00x
+        base = sorted(r["output_tok_s"] for r in rounds["none"])[len(rounds["none"]) // 2]
         for name, runs in rounds.items():
             med = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
             med = {k: v for k, v in med.items() if k != "outputs"}
@@ -134,15 +161,16 @@ def main() -> None:
             rows.append(row)
             acc = "-" if med["acceptance"] is None else f"{med['acceptance']:.0%}"
             tpv = "-" if med["tokens_per_verify"] is None else f"{med['tokens_per_verify']:.2f}"
-            print(f"{b:>5} {name:>12} {med['output_tok_s']:9.1f} {med['steps']:>6} {acc:>7} "
+            print(f"{b:>5} {name:>20} {med['output_tok_s']:9.1f} {med['steps']:>6} {acc:>7} "
                   f"{tpv:>10} {med['output_tok_s'] / base:6.2f}x")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                dict(**provenance(), args=vars(args) | {"out": str(args.out)}, rows=rows), indent=2
-            )
-        )
+        result = dict(**provenance(), args=vars(args) | {"out": str(args.out)}, rows=rows)
+        if args.append and args.out.is_file():
+            kept = json.loads(args.out.read_text())
+            kept.setdefault("runs", []).append(result)
+            result = kept
+        args.out.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
 
 

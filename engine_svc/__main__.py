@@ -27,7 +27,7 @@ from engine_svc.model_source import (
     resolve_model,
     resolve_tokenizer,
 )
-from engine_svc.spec_decode.ngram import parse_speculative_config
+from engine_svc.spec_decode.config import parse_speculative_config
 from protos.grpc_runtime import prefer_polling_io
 
 VERSION = "0.1.0"
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding (vLLM\'s flag): \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\' '
         "proposes up to 4 tokens a step from earlier occurrences of the context's last tokens; "
+        '\'{"model": "/path/to/draft", "num_speculative_tokens": 4}\' has a small draft model '
+        "of the same vocabulary propose them (same device and dtype, its own KV cache); "
         "outputs are the same as without it (greedy) or drawn from the same distribution",
     )
     p.add_argument(
@@ -343,8 +345,12 @@ def main(argv: list[str] | None = None) -> None:
             if args.speculative_config is None
             else parse_speculative_config(args.speculative_config)
         )
-        if speculative is not None and args.tensor_parallel_size > 1:
-            raise ValueError("--speculative-config does not run with --tensor-parallel-size yet")
+        executor = args.tensor_parallel_size > 1 or args.distributed_executor_backend == "mp"
+        if speculative is not None and executor:
+            raise ValueError(
+                "--speculative-config does not run with --tensor-parallel-size (or "
+                "--distributed-executor-backend mp) yet"
+            )
         if args.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"

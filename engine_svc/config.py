@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine_svc.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from engine_svc.lora.config import LoRAConfig
-from engine_svc.spec_decode.ngram import NgramConfig
+from engine_svc.spec_decode.config import SpeculativeConfig
 from kernels.attention_backends import BACKENDS
 
 if TYPE_CHECKING:  # the server imports grpc; python -m engine_svc must not before it starts
@@ -130,13 +130,17 @@ class EngineConfig:
     # runner (one rank); "mp", the multi-process executor (rank 0 in this process, a worker
     # process for each other rank). None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
-    # Speculative decoding (vLLM's --speculative-config): n-gram proposals verified in one
-    # step (engine_svc.spec_decode). None: off.
-    speculative: NgramConfig | None = None
+    # Speculative decoding (vLLM's --speculative-config): n-gram or draft-model proposals
+    # verified in one step (engine_svc.spec_decode). None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding does not run with tensor parallelism yet")
+        executor = self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+        if self.speculative is not None and executor:
+            raise ValueError(
+                "speculative decoding does not run with tensor parallelism (or the 'mp' "
+                "executor) yet"
+            )
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):

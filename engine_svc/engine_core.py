@@ -34,6 +34,8 @@ from engine_svc.lora.registry import LoRAInfo
 from engine_svc.models.loader import read_hf_config
 from engine_svc.models.tasks import checkpoint_kind, model_tasks
 from engine_svc.profiler import EngineProfiler
+from engine_svc.spec_decode.config import DraftModelConfig, NgramConfig
+from engine_svc.spec_decode.draft_model import DraftModel
 from engine_svc.spec_decode.ngram import NgramProposer
 from engine_svc.spec_decode.verify import eligible
 from engine_svc.structured_output.manager import StructuredOutputManager
@@ -76,7 +78,10 @@ class EngineCore:
         self.kv = KVCacheManager(
             layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.runner.lora)
+        spec = config.speculative
+        # A draft model writes its proposals' KV in slots past a request's last token.
+        lookahead = spec.num_speculative_tokens if isinstance(spec, DraftModelConfig) else 0
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.runner.lora, lookahead)
         lora = config.lora
         self.info = ModelInfo.of(
             served_model_name=config.model.served_model_name or Path(config.model.model).name,
@@ -107,12 +112,16 @@ class EngineCore:
             self.info.eos_token_ids,
         )
         self.profiler = EngineProfiler(config.profile_dir, self.runner.device)
-        # Speculative decoding: n-gram proposals for the next step, made after each update.
-        self.proposer: NgramProposer | None = None
-        if config.speculative is not None:
+        # Speculative decoding: proposals for the next step, made after each update: n-gram,
+        # or the runner's draft model (which caught up with the step inside it).
+        self.proposer: NgramProposer | DraftModel | None = None
+        if spec is not None:
             # (the config refuses speculation with tensor parallelism: the runner is in process)
             assert isinstance(self.runner, ModelRunner)
-            self.proposer = NgramProposer(config.speculative, max_len, envs.cache_dir() / "kernels")
+            if isinstance(spec, NgramConfig):
+                self.proposer = NgramProposer(spec, max_len, envs.cache_dir() / "kernels")
+            else:
+                self.proposer = self.runner.draft
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -331,8 +340,9 @@ class EngineCore:
         return EngineCoreOutputs(outputs, stats, self.scheduler.take_errors())
 
     def _propose(self, touched: list[Request]) -> None:
-        """Proposals for the next step of the requests that got tokens and go on, read from the
-        persistent batch's token array (``spec_decode.ngram``)."""
+        """Proposals for the next step of the requests that got tokens and go on: the draft
+        model's (``spec_decode.draft_model``), or n-gram ones read from the persistent batch's
+        token array (``spec_decode.ngram``)."""
         assert self.proposer is not None
         ready = [r for r in touched if not r.is_finished and eligible(r)]
         if not ready:
@@ -340,6 +350,12 @@ class EngineCore:
         runner = self.runner
         assert isinstance(runner, ModelRunner)  # in process (see __init__)
         batch = runner.input_batch
+        if isinstance(self.proposer, DraftModel):
+            drafted = self.proposer.propose(ready, batch, runner.generators)
+            for request, tokens in zip(ready, drafted, strict=True):
+                if tokens:
+                    request.spec_token_ids = tokens
+            return
         rows = np.fromiter((batch.row_of[r.request_id] for r in ready), np.int64, len(ready))
         proposals, counts = self.proposer.propose(batch.token_ids, rows, batch.num_tokens[rows])
         for request, proposal, count in zip(ready, proposals, counts.tolist(), strict=True):

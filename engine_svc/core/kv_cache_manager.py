@@ -111,12 +111,19 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         ``computed_blocks`` (from ``get_computed_blocks``, first allocation only) are shared, not
         copied. Returns the newly allocated blocks, or None — changing nothing — when the pool
         cannot supply them. Full blocks are published to the prefix cache as they fill.
+
+        ``num_lookahead_tokens``: slots past the new tokens that a draft model writes its KV
+        at this step (its proposals' positions, vLLM's lookahead); they hold no token of the
+        request yet, so they never make a block full for the prefix cache::
+
+            computed | new (this step) | lookahead (draft only, written over later)
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -125,7 +132,7 @@ class KVCacheManager:
             # The decode step's common case, taken first (it runs for every running request every
             # step): the new tokens fit the blocks held and fill none not yet published.
             total = request.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * self.block_size and (
+            if total + num_lookahead_tokens <= len(blocks) * self.block_size and (
                 not self.enable_caching
                 or total // self.block_size <= self.num_published.get(request.request_id, 0)
             ):
@@ -135,7 +142,11 @@ class KVCacheManager:
             len(computed_blocks) * self.block_size if not blocks else 0
         )
         total_tokens = num_computed + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = (
+            cdiv(total_tokens + num_lookahead_tokens, self.block_size)
+            - len(blocks)
+            - len(computed_blocks)
+        )
         # Cached blocks with no other user sit in the free queue: taking them costs free slots.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed + num_revived > self.pool.num_free_blocks:

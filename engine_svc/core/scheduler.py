@@ -164,9 +164,12 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         lora: LoRASlots | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """``max_model_len``: the longest prompt + output, a fact found when the engine is built
-        (the checkpoint's context, shortened to what the KV cache holds)."""
+        (the checkpoint's context, shortened to what the KV cache holds).
+        ``num_lookahead_tokens``: KV slots a step that reaches a request's last token allocates
+        past it, for a draft model's proposals (k with a draft model, else 0)."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
@@ -176,6 +179,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = kv_manager
         self.lora = lora
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.waiting = _WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
@@ -294,7 +298,12 @@ class Scheduler:
             if request.spec_token_ids:
                 spec = self._spec_tokens(request, num_new, budget)
                 num_new += len(spec)
-            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+            lookahead = (
+                self._lookahead(request, request.num_computed_tokens, num_new)
+                if self.num_lookahead_tokens  # (a draft model only: no call per row otherwise)
+                else 0
+            )
+            while (new_blocks := self.kv.allocate_slots(request, num_new, None, lookahead)) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
@@ -344,7 +353,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            lookahead = self._lookahead(request, num_computed, num_new)
+            if self.kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
@@ -385,6 +395,14 @@ class Scheduler:
             request.max_tokens - len(request.output_token_ids) - 1,
         )
         return proposed[: max(room, 0)]
+
+    def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
+        """Slots for the draft's proposals after a step that reaches the request's last token
+        (none after a partial prefill chunk), never past max_model_len."""
+        k = self.num_lookahead_tokens
+        if not k or request.is_pooling or num_computed + num_new < request.num_tokens:
+            return 0
+        return max(min(k, self.max_model_len - num_computed - num_new), 0)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

@@ -27,7 +27,7 @@ from engine_svc.entrypoints.llm_pooling import PoolingMixin
 from engine_svc.lora.config import LoRAConfig
 from engine_svc.lora.request import LoRARequest
 from engine_svc.model_source import TRUST_REMOTE_CODE_REFUSAL, resolve_model, resolve_tokenizer
-from engine_svc.spec_decode.ngram import NgramConfig, parse_speculative_config
+from engine_svc.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from protos.bad_words import bad_words_token_ids
 from protos.gc_heap import freeze_startup_heap
 from protos.types import FinishReason
@@ -70,7 +70,7 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def _speculative(spec: dict[str, Any] | str | None) -> NgramConfig | None:
+def _speculative(spec: dict[str, Any] | str | None) -> SpeculativeConfig | None:
     """vLLM's ``speculative_config`` (a dict, or its JSON) as the engine's config."""
     if spec is None:
         return None

@@ -20,71 +20,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+# The config lives with the other proposers' (re-exported: its old home).
+from engine_svc.spec_decode.config import NgramConfig, parse_speculative_config
+
 logger = logging.getLogger(__name__)
 
+__all__ = ["NgramConfig", "NgramProposer", "parse_speculative_config", "propose_row"]
+
 _I32P = ctypes.POINTER(ctypes.c_int32)
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """``num_speculative_tokens`` (k), ``prompt_lookup_min`` and ``prompt_lookup_max`` of vLLM's
-    speculative config."""
-
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-
-    def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}"
-            )
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(
-                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
-                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
-            )
-
-
-def parse_speculative_config(text: str) -> NgramConfig:
-    """``--speculative-config`` (vLLM's JSON): ``{"method": "ngram", "num_speculative_tokens":
-    k, "prompt_lookup_min": a, "prompt_lookup_max": b}``. ValueError names what is wrong. Only
-    one of the lookup bounds given: the other takes its value (as vLLM does); neither: 1..4."""
-    import json
-
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    method = spec.pop("method", None)
-    if method is None and "model" in spec:
-        raise ValueError(
-            "--speculative-config: a draft model is not supported yet; use \"method\": \"ngram\""
-        )
-    if method != "ngram":
-        raise ValueError(
-            f'--speculative-config method {method!r} is not supported; this engine has "ngram"'
-        )
-    k = spec.pop("num_speculative_tokens", None)
-    lo, hi = spec.pop("prompt_lookup_min", None), spec.pop("prompt_lookup_max", None)
-    if spec:
-        raise ValueError(f"--speculative-config: unknown keys {sorted(spec)}")
-    if not isinstance(k, int) or isinstance(k, bool):
-        raise ValueError("--speculative-config needs num_speculative_tokens (an integer)")
-    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ValueError(f"--speculative-config: {name} must be an integer")
-    if lo is None and hi is None:
-        lo, hi = 1, 4
-    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-    return NgramConfig(k, lo, hi)
 
 
 def propose_row(tokens: list[int], min_n: int, max_n: int, k: int, max_len: int) -> list[int]:

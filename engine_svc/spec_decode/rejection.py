@@ -20,12 +20,14 @@ applies temperature, penalties, bias, bans, allowed ids, min-p, top-k and top-p 
 position's logits first, with position j's state including the j proposed tokens before it.
 
 Draws use the exponential-race form of sampling (argmax of prob / Exp(1)), the sampler's own,
-and a request with a seed draws from its generator only, so a seeded request gives the same
-tokens whatever else is in the batch.
+and a request with a seed draws from its generator only (one uniform per proposal of its own,
+then the final token's noise), so a seeded request gives the same tokens whatever else is in
+the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,15 +77,20 @@ def verify_greedy(
 
 
 def _noise(
-    kind: str, shape: tuple[int, ...], device: torch.device, generators: dict[int, torch.Generator]
+    kind: str,
+    shape: tuple[int, ...],
+    device: torch.device,
+    generators: dict[int, torch.Generator],
+    lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Uniform(0, 1) (``kind`` "uniform") or Exp(1) ("exponential") noise [R, ...]: rows in
-    ``generators`` from their own generator, the others from the global one."""
+    ``generators`` from their own generator (only ``lengths[row]`` values when given: what the
+    row uses, not what the batch's widest row needs), the others from the global one."""
     x = torch.empty(shape, device=device)
     if len(generators) < shape[0]:
         getattr(x, f"{kind}_")()
     for row, gen in generators.items():
-        getattr(x[row], f"{kind}_")(generator=gen)
+        getattr(x[row] if lengths is None else x[row, : lengths[row]], f"{kind}_")(generator=gen)
     return x
 
 
@@ -93,11 +100,16 @@ def verify_sampled(
     num_draft: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
     generators: dict[int, torch.Generator] | None = None,
+    num_draft_host: Sequence[int] | None = None,
 ) -> Verified:
     """``target_probs`` [R, K + 1, V] float32 (each row a distribution, already processed);
     ``draft`` [R, K] int64; ``num_draft`` [R]; ``draft_probs`` [R, K, V] (None: point masses
-    on ``draft``, as n-gram proposals are); ``generators``: row -> seeded generator."""
+    on ``draft``, as n-gram proposals are); ``generators``: row -> seeded generator;
+    ``num_draft_host``: ``num_draft`` on the host, for the seeded rows' draws (None: read from
+    the device)."""
     generators = generators or {}
+    if generators and num_draft_host is None:
+        num_draft_host = num_draft.tolist()
     r, k1, v = target_probs.shape
     k = k1 - 1
     dev = target_probs.device
@@ -106,7 +118,7 @@ def verify_sampled(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, draft.unsqueeze(2)).squeeze(2)
-    u = _noise("uniform", (r, k), dev, generators) if k else p_draft
+    u = _noise("uniform", (r, k), dev, generators, num_draft_host) if k else p_draft
     accept = u * q_draft < p_draft  # u < p / q without dividing by a zero q
     accepted = _accepted_prefix(accept, num_draft)
 

@@ -14,6 +14,10 @@ constraint waits for it to end, as vLLM's structured outputs wait with a reasoni
 
 The matcher accepts exactly the tokens after the first occurrence of the end sequence; until
 then ``constraining`` is False, the bitmask leaves the row alone and the text cannot terminate.
+
+Speculative decoding looks ahead without moving: ``fill_bitmask_ahead`` advances over the
+proposals to fill one bitmask row per verification position, then rolls the matcher (and the
+reasoning watch) back, so the scheduler still advances it only over the tokens emitted.
 """
 
 from __future__ import annotations
@@ -35,9 +39,7 @@ class RequestGrammar:
     """The grammar of one request. ``future`` resolves to an ``xgrammar.CompiledGrammar`` or
     raises ``GrammarError``."""
 
-    def __init__(
-        self, kind: str, future: Future[Any], reasoning_end: Sequence[int] = ()
-    ) -> None:
+    def __init__(self, kind: str, future: Future[Any], reasoning_end: Sequence[int] = ()) -> None:
         """``reasoning_end``: the token ids whose first occurrence in the output ends the
         reasoning, after which the constraint applies; empty: it applies from the start."""
         self.kind = kind
@@ -86,6 +88,37 @@ class RequestGrammar:
         return bool(
             self.constraining and self._matcher is not None and self._matcher.is_terminated()
         )
+
+    def fill_bitmask_ahead(self, bitmask: torch.Tensor, row: int, tokens: Sequence[int]) -> int:
+        """Speculative decoding: write into ``bitmask[row + j]`` the tokens allowed after the
+        output followed by ``tokens[:j]``, for j = 0 .. m, where m is how many of ``tokens``
+        the grammar accepts in a row (it stops at the first it refuses: the positions after it
+        are never reached). Returns m. The state is left as it was::
+
+            tokens      d0   d1   d2 (refused)  d3
+            rows        row  +1   +2            -         m = 2: d2 is masked out at row + 2
+
+        After an accepted end of the text nothing is constrained (the request stops there)."""
+        saved = (self.num_accepted, self.constraining, list(self._recent))
+        advanced = 0  # tokens the matcher took (reasoning tokens never reach it)
+        m = 0
+        try:
+            self.fill_bitmask(bitmask, row)
+            while m < len(tokens):
+                constraining = self.constraining
+                if not self.accept(tokens[m]):
+                    break
+                advanced += constraining
+                m += 1
+                if self.is_terminated:
+                    bitmask[row + m].fill_(-1)
+                    break
+                self.fill_bitmask(bitmask, row + m)
+        finally:
+            if advanced:
+                self._matcher.rollback(advanced)
+            self.num_accepted, self.constraining, self._recent = saved
+        return m
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (1 bit per token, 1 = allowed):

@@ -41,6 +41,8 @@ from engine_svc.models.loader import (
     load_model,
     read_hf_config,
 )
+from engine_svc.spec_decode.config import DraftModelConfig
+from engine_svc.spec_decode.draft_model import DraftModel
 from engine_svc.spec_decode.verify import verify_step
 from engine_svc.structured_output.bitmask import GrammarBitmask
 from engine_svc.worker import cuda_graphs
@@ -104,6 +106,15 @@ class ModelRunner:
             plan = self.model.plan  # TP (issue 33): each rank's slots hold its slice
             self.lora = LoRAManager(config.lora, dims, self.dtype, self.device, plan)
             self.model.attach_lora(self.lora.weights)
+        # A draft model proposer (spec_decode.draft_model): loaded before the KV cache is
+        # sized, its per-block KV counted with the target's.
+        self.draft: DraftModel | None = None
+        if isinstance(config.speculative, DraftModelConfig):
+            self.draft = DraftModel(
+                config.speculative, self.spec, self.dtype, self.device, max_model_len,
+                self.block_size, config.attention_backend, config.scheduler.max_num_seqs,
+                envs.cache_dir() / "kernels",
+            )  # fmt: skip
         self.layout = self._kv_layout()
         self.kv_caches = self._allocate_kv_caches()
         self._asleep: SleepingWeights | None = None  # sleep mode: what went off the device
@@ -136,7 +147,9 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (key, value) pair of zeroed ``[num_blocks, block_size, kv_heads, head_dim]``
-        tensors per layer."""
+        tensors per layer (and the draft model's own, over the same block ids)."""
+        if self.draft is not None:
+            self.draft.allocate_kv(self.layout.num_blocks)
         shape = (
             self.layout.num_blocks,
             self.block_size,
@@ -159,7 +172,8 @@ class ModelRunner:
 
     def kv_cache_nbytes(self) -> int:
         """Bytes the KV cache tensors hold now (0 while asleep)."""
-        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        draft = 0 if self.draft is None else self.draft.nbytes()
+        return draft + sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
 
     def sleep(self, level: int) -> None:
         """Free the KV cache and take the weights off the device (``sleep_mode``). The caller
@@ -170,6 +184,8 @@ class ModelRunner:
             return
         self.graphs = None  # they point at the KV cache and the weights: captured again on wake
         self.kv_caches = []  # the only references: the storage goes now
+        if self.draft is not None:  # (its weights stay: a draft is small)
+            self.draft.free_kv()
         extra = [] if self.lora is None else self.lora.weights.tensors()
         try:
             self._asleep = put_to_sleep(
@@ -274,6 +290,8 @@ class ModelRunner:
             * self.spec.head_dim
             * elem
         )
+        if self.draft is not None:  # both caches per block id
+            per_block += self.draft.bytes_per_block
         if cache.num_kv_blocks is not None:
             num_blocks = cache.num_kv_blocks
         else:
@@ -333,7 +351,8 @@ class ModelRunner:
             verifying = np.fromiter((bool(step.batch[i].spec_token_ids) for i in sampling), bool)
             verify_step(
                 step, sampling[verifying], hidden, self.input_batch, self.model.compute_logits,
-                self.generators, out.sampled, out.spec_accepted, out.spec_logprobs,
+                self.grammar_bitmask, self.generators, out.sampled, out.spec_accepted,
+                out.spec_logprobs, None if self.draft is None else self.draft.probs,
             )  # fmt: skip
             sampling = sampling[~verifying]
         if sampling.size:
@@ -360,6 +379,8 @@ class ModelRunner:
         for i, s in enumerate(step.batch):
             if s.request.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(s, hidden, int(step.last_index[i]), out)
+        if self.draft is not None:  # its KV over what this step committed (it proposes later)
+            self.draft.catch_up(step.batch, step.rows, self.input_batch, out.sampled)
         return out
 
     def _forward(self, step: StepInputs, lora: LoRAMapping | None, pooling: bool) -> torch.Tensor:
@@ -393,9 +414,13 @@ class ModelRunner:
         for rid in so.finished_ids:
             batch.remove(rid)
             self.generators.pop(rid, None)
+            if self.draft is not None:
+                self.draft.drop(rid)
             self.pooler.drop(rid)  # aborted mid-prompt: its partial MEAN / CLS state
         for rid in so.preempted_ids:
             batch.remove(rid)  # its generator stays: a seeded request resumes its stream
+            if self.draft is not None:
+                self.draft.drop(rid)
             self.pooler.drop(rid)  # a pooling request recomputes its prompt from the start
         for s in so.scheduled:
             if s.admitted:

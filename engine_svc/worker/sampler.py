@@ -31,15 +31,33 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
-class Penalties:
-    """The rows of the batch that have a penalty, with their parameters and token statistics."""
+class ProposalCounts:
+    """Verification rows (speculative decoding): the proposals before a position are output
+    tokens there. ``counts[e]`` more occurrences of ``token_ids[e]`` in penalised row
+    ``rows[e]`` (an index into ``Penalties.rows``) than its request's ``output_counts`` hold;
+    each (row, token) once."""
 
-    rows: torch.Tensor  # [P] int64: the logits rows that have any penalty
+    rows: torch.Tensor  # [E] int64
+    token_ids: torch.Tensor  # [E] int64
+    counts: torch.Tensor  # [E] int32
+
+
+@dataclass
+class Penalties:
+    """The rows of the batch that have a penalty, with their parameters and token statistics.
+
+    Each request's parameters and statistics serve ``positions`` consecutive rows: 1, or the
+    ``k + 1`` positions of a verification step, whose statistics differ from the request's only
+    by the proposals before each (``ahead``)."""
+
+    rows: torch.Tensor  # [P * positions] int64: the logits rows that have any penalty
     presence: torch.Tensor  # [P] float32
     frequency: torch.Tensor  # [P] float32
     repetition: torch.Tensor  # [P] float32
     output_counts: torch.Tensor  # [P, V] int32: occurrences of each token in the row's output
     seen_mask: torch.Tensor  # [P, V] bool: token in the row's prompt or output
+    positions: int = 1
+    ahead: ProposalCounts | None = None
 
 
 @dataclass
@@ -125,13 +143,50 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
 
 
 def _penalize(x: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """``apply_penalties`` on rows already gathered: ``x`` is [P, V] float32."""
-    rep = penalties.repetition.unsqueeze(1)
-    penalized = torch.where(x > 0, x / rep, x * rep)
-    x = torch.where(penalties.seen_mask, penalized, x)
-    counts = penalties.output_counts.to(x.dtype)
-    x = x - penalties.frequency.unsqueeze(1) * counts
-    x = x - penalties.presence.unsqueeze(1) * (counts > 0).to(x.dtype)
+    """``apply_penalties`` on rows already gathered: ``x`` is [P * positions, V] float32. The
+    positions of a request share its statistics (broadcast, not copied); the few entries the
+    proposals before a position change are computed again with their own counts."""
+    pen, n = penalties, penalties.positions
+    p = pen.output_counts.shape[0]
+    out = _penalty(
+        x.view(p, n, -1),
+        pen.repetition.view(p, 1, 1),
+        pen.frequency.view(p, 1, 1),
+        pen.presence.view(p, 1, 1),
+        pen.output_counts.unsqueeze(1),
+        pen.seen_mask.unsqueeze(1),
+    ).view(x.shape)
+    ahead = pen.ahead
+    if ahead is not None:
+        at, tok = ahead.rows, ahead.token_ids
+        owner = at // n
+        counts = pen.output_counts[owner, tok] + ahead.counts
+        seen = torch.ones_like(counts, dtype=torch.bool)  # an output token is seen
+        out[at, tok] = _penalty(
+            x[at, tok],
+            pen.repetition[owner],
+            pen.frequency[owner],
+            pen.presence[owner],
+            counts,
+            seen,
+        )
+    return out
+
+
+def _penalty(
+    x: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+    counts: torch.Tensor,
+    seen: torch.Tensor,
+) -> torch.Tensor:
+    """The penalties, elementwise (the arguments broadcast against ``x``)."""
+    penalized = torch.where(x > 0, x / repetition, x * repetition)
+    x = torch.where(seen, penalized, x)
+    c = counts.to(x.dtype)
+    x = x - frequency * c
+    x = x - presence * (c > 0).to(x.dtype)
     return x
 
 
@@ -181,6 +236,12 @@ def _greedy_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         rows, x = adjusted
         tokens.index_copy_(0, rows, x.argmax(dim=-1))
     return tokens
+
+
+def greedy_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Each row's argmax after allowed token ids, bans, logit bias and penalties: the token a
+    greedy row samples (speculative decoding verifies greedy proposals against it)."""
+    return _greedy_sample(logits, md)
 
 
 def _processed(

@@ -6,6 +6,14 @@ sync (``uploads``; an all-greedy batch needs none of them), penalties come from 
 device-side counts (kept up to date as tokens are sampled), allowed token ids from the batch's
 device-side masks, and only the rows that need something special (a seed, min_tokens still to
 reach, a logit bias, bad words, logprobs) are visited one by one.
+
+Verification rows (speculative decoding, ``num_draft``): each request's logits come as ``k + 1``
+rows, position j seeing the request's output followed by its first j proposals (which the runner
+wrote into the batch's token array after its known tokens). Position-independent parameters
+(temperature, top-k/p, min-p, logit bias, allowed ids) repeat over the positions; at position j
+the penalties count those j proposals as output (the request's device-side counts are shared by
+its positions, plus a few (row, token) corrections: ``ProposalCounts``), min_tokens counts them
+in the output length, and bad words are matched against the output followed by them.
 """
 
 from __future__ import annotations
@@ -16,7 +24,13 @@ import torch
 from engine_svc.core.request import Request
 from engine_svc.core.sampling_params import GREEDY_EPS
 from engine_svc.worker.input_batch import InputBatch
-from engine_svc.worker.sampler import AllowedTokens, LogitBias, Penalties, SamplingMetadata
+from engine_svc.worker.sampler import (
+    AllowedTokens,
+    LogitBias,
+    Penalties,
+    ProposalCounts,
+    SamplingMetadata,
+)
 from engine_svc.worker.uploads import upload
 
 
@@ -26,13 +40,28 @@ def sampling_metadata(
     reqs: list[Request],
     generators: dict[str, torch.Generator],
     vocab: int,
+    num_draft: np.ndarray | None = None,
+    positions: int | None = None,
 ) -> SamplingMetadata:
     """Metadata for the logits rows of ``reqs`` (persistent-batch ``rows``, in that order).
-    ``generators`` holds each seeded request's generator (created here on first use)."""
+    ``generators`` holds each seeded request's generator (created here on first use).
+
+    With ``num_draft`` (each request's number of proposals) the rows are a verification step's:
+    ``positions`` (default ``num_draft.max() + 1``) consecutive logits rows per request, row j
+    after ``min(j, num_draft)`` of its proposals (see the module's docstring)."""
     dev = batch.device
 
     def tensor(values: np.ndarray) -> torch.Tensor:
         return upload(values, dev)
+
+    # Verification: every per-row parameter below is read for the expanded rows, position j of
+    # request i at index i * k1 + j, with ``ahead`` proposals before it.
+    req_rows, k1, ahead = rows, 1, None
+    if num_draft is not None:
+        k1 = int(num_draft.max()) + 1 if positions is None else positions
+        ahead = np.minimum(np.arange(k1)[None, :], num_draft[:, None]).reshape(-1)
+        rows = np.repeat(rows, k1)
+        reqs = [q for q in reqs for _ in range(k1)]
 
     temperature = batch.temperature[rows]
     all_greedy = bool((temperature < GREEDY_EPS).all())
@@ -71,18 +100,25 @@ def sampling_metadata(
                 generators[request.request_id] = gen
             md.generators[int(i)] = gen
 
-    penalized = np.flatnonzero(batch.has_penalty[rows])
+    penalized_reqs = np.flatnonzero(batch.has_penalty[req_rows])
+    penalized = penalized_reqs
+    if k1 > 1:  # every position of those requests
+        penalized = (penalized_reqs[:, None] * k1 + np.arange(k1)[None, :]).reshape(-1)
     if penalized.size:
         assert batch.output_counts is not None and batch.seen_mask is not None
-        prows = tensor(rows[penalized])
+        prows = req_rows[penalized_reqs]
+        at = tensor(prows)
         md.penalties = Penalties(
             rows=tensor(penalized.astype(np.int64)),
-            presence=tensor(batch.presence[rows[penalized]]),
-            frequency=tensor(batch.frequency[rows[penalized]]),
-            repetition=tensor(batch.repetition[rows[penalized]]),
-            output_counts=batch.output_counts.index_select(0, prows),
-            seen_mask=batch.seen_mask.index_select(0, prows),
+            presence=tensor(batch.presence[prows]),
+            frequency=tensor(batch.frequency[prows]),
+            repetition=tensor(batch.repetition[prows]),
+            output_counts=batch.output_counts.index_select(0, at),
+            seen_mask=batch.seen_mask.index_select(0, at),
+            positions=k1,
         )
+        if num_draft is not None:
+            md.penalties.ahead = _proposal_counts(batch, prows, num_draft[penalized_reqs], k1, dev)
 
     allowed = np.flatnonzero(batch.has_allowed[rows])
     if allowed.size:
@@ -103,6 +139,8 @@ def sampling_metadata(
     # min_tokens: EOS and stop_token_ids are banned while the output is shorter. Not on rows with
     # a grammar: it alone decides when their text ends (once complete, only EOS is left to them).
     num_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    if ahead is not None:
+        num_out = num_out + ahead
     banned: dict[int, list[int]] = {}
     for i in np.flatnonzero((num_out < batch.min_tokens[rows]) & ~batch.has_grammar[rows]):
         request = reqs[i]
@@ -115,7 +153,8 @@ def sampling_metadata(
         row = int(rows[i])
         words = batch.bad_words[row]
         assert words is not None
-        output = batch.token_ids[row, batch.num_prompt_tokens[row] : batch.num_tokens[row]]
+        end = batch.num_tokens[row] + (0 if ahead is None else ahead[i])
+        output = batch.token_ids[row, batch.num_prompt_tokens[row] : end]
         ids = bad_word_bans(words, output)
         if ids:
             banned.setdefault(int(i), []).extend(ids)
@@ -127,6 +166,39 @@ def sampling_metadata(
     wanted = [r.sampling_params.logprobs for r in reqs if r.sampling_params.logprobs is not None]
     md.max_num_logprobs = max(wanted) if wanted else None
     return md
+
+
+def _proposal_counts(
+    batch: InputBatch, rows: np.ndarray, num_draft: np.ndarray, k1: int, dev: torch.device
+) -> ProposalCounts | None:
+    """How often each proposal occurs before each verification position of the requests in
+    persistent-batch ``rows`` (penalised row ``i * k1 + j``: request i, position j)::
+
+        proposals    d0 d1 d2           (num_draft 3, k1 4)
+        position 0   -                  nothing before it: the request's own counts
+        position 1   d0                 +1 at (1, d0)
+        position 2   d0 d1              +1 at (2, d0), (2, d1)  (+2 at one entry when d0 == d1)
+        position 3   d0 d1 d2
+    """
+    k = k1 - 1
+    if k == 0:
+        return None
+    width = batch.token_ids.shape[1]
+    cols = np.minimum(batch.num_tokens[rows][:, None] + np.arange(k)[None, :], width - 1)
+    drafts = batch.token_ids[rows[:, None], cols].astype(np.int64)  # [P, k]
+    pos, idx = np.arange(k1)[None, :, None], np.arange(k)[None, None, :]
+    before = (idx < pos) & (idx < num_draft[:, None, None])  # [P, k1, k]: d_idx before pos
+    req, at, which = np.nonzero(before)
+    if not req.size:
+        return None
+    vocab = int(batch.vocab_size)
+    key = (req * k1 + at) * vocab + drafts[req, which]
+    unique, counts = np.unique(key, return_counts=True)
+    return ProposalCounts(
+        rows=upload(unique // vocab, dev),
+        token_ids=upload(unique % vocab, dev),
+        counts=upload(counts.astype(np.int32), dev),
+    )
 
 
 def bad_word_bans(words: list[tuple[list[int], int]], output: np.ndarray) -> list[int]:

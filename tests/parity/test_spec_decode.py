@@ -4,9 +4,10 @@ Greedy output with speculation equals greedy output without it, token for token,
 Qwen2 and Qwen3 tiny shapes, through chunked prefill, prefix-cache hits and preemption (each
 asserted to happen), with proposals accepted and rejected (both asserted); stop ids, EOS and
 max_tokens end a request inside an accepted run where they would without speculation; logprobs
-of the emitted tokens equal those without it; requests whose parameters the verification does
-not apply (penalties, a logit bias, min_tokens still to reach) decode as before beside
-speculating ones; every KV block is back in the pool afterwards, aborts mid-run included."""
+of the emitted tokens equal those without it; requests with penalties, a logit bias or
+min_tokens still to reach speculate beside plain ones with their output unchanged (each feature
+on its own: ``test_spec_decode_features.py``); every KV block is back in the pool afterwards,
+aborts mid-run included."""
 
 from __future__ import annotations
 
@@ -45,11 +46,16 @@ def _prompts(seed: int, n: int, prefix: list[int] = []) -> list[list[int]]:  # n
     return out
 
 
-def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> tuple:
+def run_counted(
+    engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[list[list[int]], list[object], list[list[int]], dict[str, int]]:
+    """Each request's tokens, finish reason and tokens per output (in order), and the run's
+    step, speculation, preemption and prefix-hit totals."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p, sp in zip(ids, prompts, params, strict=True):
         engine.add_request(rid, p, sp)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    chunks: dict[str, list[int]] = {rid: [] for rid in ids}
     reasons: dict[str, object] = {}
     totals = dict(steps=0, drafts=0, proposed=0, accepted=0, preemptions=0, hits=0)
     while engine.has_unfinished_requests():
@@ -57,6 +63,7 @@ def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingPara
         totals["steps"] += 1
         for o in step.outputs:
             tokens[o.request_id].extend(o.new_token_ids)
+            chunks[o.request_id].append(len(o.new_token_ids))
             if o.finish_reason is not None:
                 reasons[o.request_id] = o.finish_reason
         s = step.stats
@@ -65,7 +72,12 @@ def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingPara
         totals["accepted"] += s.spec_num_accepted_tokens
         totals["preemptions"] += s.num_preemptions
         totals["hits"] += s.prefix_cache_hits
-    return [tokens[r] for r in ids], [reasons[r] for r in ids], totals
+    return [tokens[r] for r in ids], [reasons[r] for r in ids], [chunks[r] for r in ids], totals
+
+
+def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> tuple:
+    tokens, reasons, _, totals = run_counted(engine, prompts, params)
+    return tokens, reasons, totals
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -106,7 +118,7 @@ def test_stops_inside_an_accepted_run_end_the_request_where_they_would(
     assert [len(g) for g in got[3:]] == [7]
 
 
-def test_requests_the_verification_does_not_cover_decode_as_before(
+def test_requests_with_sampling_features_keep_their_output_beside_plain_ones(
     tiny_models: dict[str, Path],
 ) -> None:
     prompts = _prompts(5, 4)

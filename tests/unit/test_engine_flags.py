@@ -68,12 +68,20 @@ def test_trust_remote_code_is_refused_in_one_line() -> None:
     assert "Llama, Qwen2 and Qwen3" in TRUST_REMOTE_CODE_REFUSAL
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 2}'
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory: cannot parse memory size"),
         (["--chat-template", "no/such/template.jinja"], "--chat-template 'no/such/template"),
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["-tp", "2", "--speculative-config", NGRAM], "--speculative-config does not run with"),
+        (
+            ["--distributed-executor-backend", "mp", "--speculative-config", NGRAM],
+            "--speculative-config does not run with",
+        ),
         (
             ["-tp", "2", "--distributed-executor-backend", "uni"],
             "--distributed-executor-backend uni runs one rank only",

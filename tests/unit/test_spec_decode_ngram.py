@@ -85,7 +85,7 @@ def test_the_speculative_config_is_read_as_vllm_writes_it() -> None:
         ("[1]", "JSON object"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
-        ('{"model": "/m/draft", "num_speculative_tokens": 3}', "draft model is not supported"),
+        ('{"method": "ngram", "model": "/m/draft", "num_speculative_tokens": 3}', "unknown keys"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "at least 1"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "unknown keys"),
         (

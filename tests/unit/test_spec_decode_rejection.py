@@ -111,3 +111,27 @@ def test_a_seeded_row_draws_from_its_own_generator_only() -> None:
         return verify_sampled(target, draft, num, generators=gens).tokens[2]
 
     assert torch.equal(run(0), run(1))
+
+
+def test_a_seeded_rows_draws_do_not_depend_on_the_batchs_longest_proposal() -> None:
+    """A seeded row draws one uniform per proposal of its own: how many the other rows propose
+    (the batch's K) does not move its stream."""
+    k = 4
+    target = _target(2, k, seed=9)
+    draft = torch.full((2, k), 3)
+
+    def run(width: int) -> list[int]:  # the batch's K: the other row's proposals
+        gen = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(20):  # the stream over many steps
+            v = verify_sampled(
+                target[:, : width + 1],
+                draft[:, :width],
+                torch.tensor([2, width]),
+                generators={0: gen},
+                num_draft_host=[2, width],
+            )
+            out += v.tokens[0, : int(v.num_emitted[0])].tolist()
+        return out
+
+    assert run(2) == run(4)
