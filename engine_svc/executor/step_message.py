@@ -24,7 +24,8 @@ model sees it), and the grammar decides nothing a collective depends on.
 LoRA: a mirror keeps its request's adapter id (``lora_id``), and the message brings what rank
 0's adapter slots hold whenever that changed (``lora``: each slot's adapter id and directory,
 rank 0 having already put this step's adapters in their slots), so a worker puts the same
-adapter in the same slot (``LoRAManager.follow``) before its runner maps the step's tokens.
+adapter in the same slot (``LoRAManager.follow``) before its runner maps the step's tokens,
+from the host copy rank 0 gave it when it took the adapter (``MultiprocExecutor.put_lora``).
 """
 
 from __future__ import annotations

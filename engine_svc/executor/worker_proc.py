@@ -5,20 +5,28 @@ The engine (rank 0) sends over a pipe::
 
     ("step", StepMessage)    run it (no answer: the step's collectives keep the ranks in step,
                              and rank 0's results are the step's)
-    ("sleep", level)         put the runner to sleep, answer ("ok", None)
-    ("wake", None)           wake it up, answer ("ok", None)
+    ("sleep", level)         put the runner to sleep, answer ("ok", sleep level after it) or
+                             ("error", (message, sleep level after it)): rank 0 decides
+    ("wake", None)           wake it up, answered as "sleep"
+    ("lora_put", (id, blob)) hold rank 0's host copy of a LoRA adapter (``blob``: it pickled),
+                             answer ("ok", None) or ("error", message)
+    ("lora_drop", ids)       let these host copies go (no answer)
     ("stop", None)           leave the group and exit 0
 
-After start-up it answers ("ready", number of KV blocks). Any error ends the process with a
-non-zero code, which the engine's watchdog sees; an engine that is gone (the pipe closes, or
-the process that started this one is no longer its parent) ends it too: no orphan.
+After start-up it answers ("ready", number of KV blocks). Any other error ends the process
+with a non-zero code, which the engine's watchdog sees; an engine that is gone (the pipe
+closes, or the process that started this one is no longer its parent) ends it too: no orphan.
+SIGINT and SIGTERM are ignored: sent to the whole process group (Ctrl-C, systemd's
+KillMode=control-group), they are the engine's to act on, and it stops its workers itself.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -58,6 +66,10 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """The worker process's entry point (``multiprocessing`` spawn target)."""
+    # A stop signal to the group must not kill a worker before the engine drains: the engine
+    # stops it (the pipe), and it ends itself if the engine is gone (the parent watch).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(message)s")
     _exit_with_parent(parent_pid, init_method)
     device = rank_device(config, rank)
@@ -88,18 +100,37 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
         if kind == "step":
             assert isinstance(arg, StepMessage)
             so = mirrors.decode(arg)
-            if arg.lora is not None:
-                assert runner.lora is not None, "rank 0 serves LoRA adapters: so does this rank"
-                runner.lora.follow(arg.lora)  # rank 0's slots, before the runner maps tokens
+            if runner.lora is not None:  # rank 0's slots, before the runner maps tokens
+                runner.lora.follow(arg.lora)
+            else:
+                assert arg.lora is None, "rank 0 serves LoRA adapters: so does this rank"
             _take_rank0_tokens(runner.input_batch, arg, mirrors)
             out = runner.execute(so)
             mirrors.keep_prompt_logprobs(out.prompt_logprobs)  # type: ignore[arg-type]
-        elif kind == "sleep":
-            runner.sleep(int(arg))
-            conn.send(("ok", None))
-        elif kind == "wake":
-            runner.wake_up()
-            conn.send(("ok", None))
+        elif kind in ("sleep", "wake"):
+            try:
+                if kind == "sleep":
+                    runner.sleep(int(arg))
+                else:
+                    runner.wake_up()
+            except Exception as e:  # noqa: BLE001 -- retryable as on rank 0: the engine decides
+                logger.exception("%s failed", kind)
+                conn.send(("error", (f"{type(e).__name__}: {e}", runner.sleep_level)))
+            else:
+                conn.send(("ok", runner.sleep_level))
+        elif kind == "lora_put":
+            lora_id, blob = arg
+            try:
+                assert runner.lora is not None, "rank 0 serves LoRA adapters: so does this rank"
+                runner.lora.keep(lora_id, pickle.loads(blob))
+            except Exception as e:  # noqa: BLE001 -- the add is refused on every rank
+                logger.exception("LoRA adapter %d: cannot take rank 0's host copy", lora_id)
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+            else:
+                conn.send(("ok", None))
+        elif kind == "lora_drop":
+            if runner.lora is not None:
+                runner.lora.discard(arg)
         elif kind == "stop":
             return
         else:

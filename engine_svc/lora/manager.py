@@ -11,7 +11,14 @@ pin needs it.
 Tensor parallelism: every rank has a manager whose slots hold its slice of the adapters
 (``LoRAWeights``). Rank 0's decides; a worker's registry stays empty and its slots follow rank
 0's (:meth:`LoRAManager.placement` travels with the step message, :meth:`LoRAManager.follow`
-on the worker), so an adapter sits in the same slot on every rank.
+on the worker), so an adapter sits in the same slot on every rank. Only rank 0 reads adapter
+directories: each host copy it takes (an add, a read again after ``max_cpu_loras`` dropped it)
+goes to every worker before it is used (``mirror``, the executor; :meth:`LoRAManager.keep` on
+the worker), and each one it lets go is let go there too (:meth:`LoRAManager.discard`)::
+
+    rank 0   add / read again ── mirror.put_lora ──► worker: keep      (answered: all or none)
+             drop (trim, remove) ─ mirror.drop_loras ► worker: discard
+             step: placement ──── step message ─────► worker: follow   (host copy -> slot)
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -30,6 +38,17 @@ from engine_svc.lora.weights import LoRAWeights
 from engine_svc.models.parallel import ShardPlan
 
 logger = logging.getLogger(__name__)
+
+
+class HostCopyMirror(Protocol):
+    """The other tensor-parallel ranks' host copies, kept equal to rank 0's (the executor)."""
+
+    def put_lora(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Every other rank holds ``adapter`` as ``lora_id`` on return; if one cannot, none
+        does and this raises (a ``LoRAError`` naming the rank)."""
+
+    def drop_loras(self, lora_ids: list[int]) -> None:
+        """The other ranks let the host copies of ``lora_ids`` go (unknown ids: ignored)."""
 
 
 class LoRAManager:
@@ -51,7 +70,11 @@ class LoRAManager:
             dims, config.max_loras, config.max_lora_rank, dtype, device, plan
         )
         self._host: dict[int, LoRAAdapter] = {}
-        self._followed: Placement | None = None  # a tensor-parallel worker: rank 0's slots
+        # Tensor parallelism. Rank 0: the workers' host copies, set by the executor.
+        self.mirror: HostCopyMirror | None = None
+        # A worker: rank 0's slots, and what this rank's slots hold (None: nothing usable).
+        self._followed: Placement | None = None
+        self._held: list[int | None] = [None] * self.weights.num_slots
 
     # ------------------------------------------------------------------ any thread
     def read(self, path: str | Path) -> LoRAAdapter:
@@ -68,8 +91,12 @@ class LoRAManager:
         the running requests (a pin never moves them out)."""
         check_lora_name(name)
         entry, dropped = self.registry.add(name, adapter.path, adapter.rank)
-        self._host[entry.lora_id] = adapter
         self._release_memory(dropped)
+        try:
+            self._keep(entry.lora_id, adapter)
+        except Exception:  # a tensor-parallel rank cannot hold it: not added after all
+            self._release_memory(self.registry.remove(name)[1])
+            raise
         if pin:
             try:
                 self.pin(name, running)
@@ -152,28 +179,50 @@ class LoRAManager:
         """Rank 0: what its slots and host memory hold (for :meth:`follow` on the workers)."""
         return self.registry.placement()
 
-    def follow(self, placement: Placement) -> None:
-        """A tensor-parallel worker: make this rank's slots hold what rank 0's hold, and from
-        now on take each step's slots from rank 0 (:meth:`prepare`) instead of deciding them.
-        An adapter not in this rank's host memory is read from its directory (and its slice
-        copied to the device); host copies rank 0 dropped are dropped here too."""
-        self._host = {i: a for i, a in self._host.items() if i in placement.host_ids}
-        followed = self._followed
-        held = (None,) * self.weights.num_slots if followed is None else followed.slots
-        for slot, (now, want) in enumerate(zip(held, placement.slots, strict=True)):
-            if want == now:
+    def follow(self, placement: Placement | None) -> None:
+        """A tensor-parallel worker, at each step: make this rank's slots hold what rank 0's
+        hold (``placement``; None: what they held at the last step), and from now on take each
+        step's slots from rank 0 (:meth:`prepare`) instead of deciding them. Only copies host
+        copies (rank 0's, given with :meth:`keep`) into slots: never reads a directory."""
+        placement = placement or self._followed
+        if placement is None:
+            return
+        for slot, want in enumerate(placement.slots):
+            want_id = None if want is None else want.lora_id
+            if want_id == self._held[slot]:
                 continue  # ids are never reused: the same id is the same weights
-            if want is None:
+            if want_id is None:
                 self.weights.clear(slot)
-                continue
-            adapter = self._host.get(want.lora_id)
-            if adapter is None:
-                logger.info("LoRA adapter %d: reading %s", want.lora_id, want.path)
-                adapter = self.read(want.path)
-                if want.lora_id in placement.host_ids:
-                    self._host[want.lora_id] = adapter
-            self.weights.load(slot, adapter)
+            else:
+                adapter = self._host.get(want_id)
+                if adapter is None:  # rank 0 gives every host copy before it fills a slot
+                    raise RuntimeError(
+                        f"LoRA adapter {want_id} is in rank 0's slot {slot} but this rank "
+                        "was never given its host copy"
+                    )
+                self.weights.load(slot, adapter)
+            self._held[slot] = want_id
         self._followed = placement
+
+    def keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """A tensor-parallel worker: hold rank 0's host copy of ``lora_id`` (taken by rank 0
+        when it was added or read again). A slot holding an older copy is loaded again at the
+        next :meth:`follow`."""
+        self._host[lora_id] = adapter
+        self._forget_slots([lora_id])
+
+    def discard(self, lora_ids: Iterable[int]) -> None:
+        """A tensor-parallel worker: rank 0 let these host copies go (and their slots)."""
+        lora_ids = list(lora_ids)
+        for lora_id in lora_ids:
+            self._host.pop(lora_id, None)
+        self._forget_slots(lora_ids)
+
+    def _forget_slots(self, lora_ids: list[int]) -> None:
+        for slot, held in enumerate(self._held):
+            if held is not None and held in lora_ids:
+                self.weights.clear(slot)  # host-side flags only: safe while asleep
+                self._held[slot] = None
 
     # ------------------------------------------------------------------ memory
     def _reload(self, lora_id: int) -> None:
@@ -181,14 +230,24 @@ class LoRAManager:
         entry = self.registry.entry(lora_id)
         logger.info("LoRA adapter %r: reading %s again", entry.name, entry.path)
         try:
-            self._host[lora_id] = self.read(entry.path)
+            adapter = self.read(entry.path)
         except LoRAPathNotFoundError as e:  # a loaded adapter whose files went: cannot be served
             raise LoRAInvalidError(f"LoRA adapter {entry.name!r}: {e}") from e
+        self._keep(lora_id, adapter)
         self._release_memory(self.registry.loaded(lora_id))
 
+    def _keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Hold a host copy rank 0 has just read: on every rank, or (raising) on none."""
+        if self.mirror is not None:
+            self.mirror.put_lora(lora_id, adapter)
+        self._host[lora_id] = adapter
+
     def _release_memory(self, dropped: Dropped) -> None:
-        for lora_id in [*dropped.host, *dropped.adapters]:
+        lora_ids = [*dropped.host, *dropped.adapters]
+        for lora_id in lora_ids:
             self._host.pop(lora_id, None)
+        if lora_ids and self.mirror is not None:
+            self.mirror.drop_loras(lora_ids)
 
     @property
     def host_ids(self) -> set[int]:

@@ -42,14 +42,28 @@ def child_env(cache_dir: Path) -> dict[str, str]:
 class Proc:
     """One subprocess whose stdout is read line by line and whose stderr goes to a log file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        new_session: bool = False,
+    ) -> None:
+        """``new_session``: the process leads a process group of its own (and its children
+        join it), as under systemd or a shell's job control."""
         self.name = name
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("wb")
         self.lines: list[str] = []
         self._ready_line = threading.Event()
         self.popen = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
+            start_new_session=new_session,
         )
         _LIVE.append(self)
         threading.Thread(target=self._read, daemon=True).start()
@@ -105,12 +119,17 @@ class Proc:
 
 class Engine(Proc):
     def __init__(
-        self, cache_dir: Path, log_dir: Path, *flags: str, port: int | None = None
+        self,
+        cache_dir: Path,
+        log_dir: Path,
+        *flags: str,
+        port: int | None = None,
+        new_session: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "engine_svc", "--port", str(self.port), *flags]
-        super().__init__("engine", argv, child_env(cache_dir), log_dir)
+        super().__init__("engine", argv, child_env(cache_dir), log_dir, new_session)
 
     def wait_ready(self, timeout: float = 60.0) -> Engine:
         self.wait_line(timeout)

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.tandem.engine.v1 import engine_pb2 as pb
 from protos.tandem.engine.v1.engine_pb2_grpc import EngineStub
 from tests.conftest import SESSION_ENGINE_FLAGS
+from tests.integration.grpc_util import add_request, tokens_of
 from tests.integration.harness import API_KEY, Engine, Gateway
 
 PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
@@ -191,3 +192,48 @@ def test_a_killed_worker_reports_not_serving_ends_the_calls_and_the_engine(
         if gateway is not None:
             gateway.stop()
         engine.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_the_whole_process_group_is_a_graceful_stop(
+    cache_dir: Path, log_dir: Path, sig: signal.Signals
+) -> None:
+    """Ctrl-C, systemd's KillMode=control-group, ``kill -- -PGID``: the signal reaches the
+    workers too (they share the engine's process group). They ignore it and the engine drains
+    (a generation in flight finishes whole) and stops them: exit code 0, no worker's death,
+    and nothing of the group is left."""
+    engine = Engine(
+        cache_dir, log_dir, *SESSION_ENGINE_FLAGS, "-tp", "2", new_session=True
+    ).wait_ready(timeout=120)
+    pgid = engine.popen.pid
+    log = engine.log_tail(100_000)
+    workers = [int(p) for line in log.splitlines() for p in _worker_pids(line)]
+    assert workers and all(os.getpgid(w) == pgid for w in workers), log
+    with grpc.insecure_channel(engine.address) as channel:
+        request = add_request("in-flight", [5, 6, 7, 8, 9], 400)
+        call = EngineStub(channel).Generate(pb.GenerateRequest(request=request), timeout=60)
+        responses = [next(call)]  # generating
+        os.killpg(pgid, sig)
+        responses.extend(call)
+    assert len(tokens_of(responses)) == 400, engine.log_tail()
+    assert responses[-1].output.finish_reason == pb.FINISH_REASON_LENGTH
+    assert engine.wait(timeout=30) == 0, engine.log_tail()
+    engine.kill()  # (already exited: closes its log)
+    assert "exited with code" not in engine.log_tail(100_000)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _group_members(pgid):
+        time.sleep(0.05)
+    assert not _group_members(pgid), "a process of the engine's group outlived it"
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp, ...
+            members.append(int(stat.parent.name))
+    return members

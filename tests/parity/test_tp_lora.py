@@ -9,6 +9,9 @@
   adapter loaded and pinned while the engine runs, generate greedily what the one-rank engine
   and transformers + PEFT generate, token for token. A delta added after the all-reduce (twice
   the adapter) or a slice on the wrong rank changes the tokens.
+* Only rank 0 reads adapter directories: an adapter whose directory was deleted after it was
+  added serves on every rank (the workers got rank 0's host copy with the add), and one read
+  again from a rewritten directory (``max_cpu_loras``) reaches the workers' slots too.
 
 One process joins one torch.distributed group at a time: the engine fixture is per module and
 per model, the previous one shut down before the next starts.
@@ -16,7 +19,9 @@ per model, the previous one shut down before the next starts.
 
 from __future__ import annotations
 
+import pickle
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import SchedulerOutput
 from engine_svc.distributed import TPGroup
 from engine_svc.engine_core import EngineCore
-from engine_svc.executor import MultiprocExecutor
+from engine_svc.executor import MultiprocExecutor, multiproc
 from engine_svc.executor.step_message import StepEncoder
 from engine_svc.lora.adapter import LoRAAdapter, ModelDims, load_adapter
 from engine_svc.lora.config import LoRAConfig
@@ -169,6 +174,19 @@ def _delta(w: LoRAWeights, layer: int, fused: str, x: torch.Tensor) -> torch.Ten
 
 
 # ------------------------------------------------------------------ workers follow rank 0
+class _Mirror:
+    """The executor's part in between: rank 0's host copies given to a worker, pickled."""
+
+    def __init__(self, worker: LoRAManager) -> None:
+        self.worker = worker
+
+    def put_lora(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        self.worker.keep(lora_id, pickle.loads(pickle.dumps(adapter)))
+
+    def drop_loras(self, lora_ids: list[int]) -> None:
+        self.worker.discard(lora_ids)
+
+
 def test_a_worker_manager_holds_what_rank_0s_slots_hold(
     checkpoints: dict[str, Path], adapters: dict[str, dict[str, Path]]
 ) -> None:
@@ -176,6 +194,8 @@ def test_a_worker_manager_holds_what_rank_0s_slots_hold(
     config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
     rank0 = LoRAManager(config, dims, torch.float32, torch.device("cpu"))
     worker = LoRAManager(config, dims, torch.float32, torch.device("cpu"))
+    rank0.mirror = _Mirror(worker)
+    worker.read = None  # type: ignore[assignment,method-assign]  # a worker never reads
     encoder = StepEncoder()
     ids = {n: rank0.add(n, rank0.read(adapters["llama"][n])).lora_id for n in STARTUP}
     idle = SchedulerOutput([], 0)
@@ -190,11 +210,53 @@ def test_a_worker_manager_holds_what_rank_0s_slots_hold(
         for slot in slots.values():
             for a, b in zip(_slot_tensors(rank0, slot), _slot_tensors(worker, slot), strict=True):
                 assert torch.equal(a, b)
-        assert set(slots) <= worker.host_ids <= rank0.host_ids  # never more than rank 0's
+        assert set(slots) <= worker.host_ids == rank0.host_ids  # rank 0's, no more
         assert encoder.encode(idle, rank0.placement()).lora is None  # unchanged: not sent
         for n in step:
             rank0.release(ids[n])
     assert not worker.registry.infos()  # a worker decides nothing
+
+
+def test_an_adapter_read_again_from_a_rewritten_directory_reaches_the_workers_slots(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """``max_cpu_loras`` drops a host copy; rank 0 reads the adapter again from its directory,
+    rewritten meanwhile, and puts it back in the slot it had: the worker's slot holds the new
+    weights too (rank 0 gives it its new copy; the slot is loaded again though rank 0's slots
+    read the same as at the last message)."""
+    base = checkpoints["llama"]
+    dims = ModelDims.from_spec(_spec(base))
+    config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    rank0 = LoRAManager(config, dims, torch.float32, torch.device("cpu"))
+    worker = LoRAManager(config, dims, torch.float32, torch.device("cpu"))
+    rank0.mirror = _Mirror(worker)
+    worker.read = None  # type: ignore[assignment,method-assign]  # a worker never reads
+    cfg: dict[str, Any] = dict(r=4, alpha=8, targets=ALL_TARGETS)
+    x_dir = make_adapter(base, tmp_path / "x", seed=1, **cfg)
+    x = rank0.add("x", rank0.read(x_dir)).lora_id
+    y = rank0.add("y", rank0.read(make_adapter(base, tmp_path / "y", seed=2, **cfg))).lora_id
+    encoder = StepEncoder()
+    idle = SchedulerOutput([], 0)
+
+    def step(lora_id: int) -> None:
+        rank0.prepare([lora_id])
+        worker.follow(encoder.encode(idle, rank0.placement()).lora)  # as worker_proc does
+        assert worker.prepare([lora_id]) == {lora_id: 0}
+        for a, b in zip(_slot_tensors(rank0, 0), _slot_tensors(worker, 0), strict=True):
+            assert torch.equal(a, b)
+
+    rank0.acquire("x")  # read again (y's add dropped it), y dropped
+    step(x)
+    old = [t.clone() for t in _slot_tensors(worker, 0)]
+    rank0.release(x)
+    rank0.acquire("y")  # x dropped (host and slot), y read again
+    rank0.release(y)
+    shutil.rmtree(x_dir)
+    make_adapter(base, x_dir, seed=3, **cfg)  # x's directory rewritten
+    rank0.acquire("x")  # read again: the new weights; y dropped
+    assert rank0.host_ids == worker.host_ids == {x}
+    step(x)  # slot 0 holds x again, as at the last message
+    assert not all(torch.equal(a, b) for a, b in zip(old, _slot_tensors(worker, 0), strict=True))
 
 
 def _slot_tensors(m: LoRAManager, slot: int) -> list[torch.Tensor]:
@@ -326,6 +388,35 @@ def test_adapter_loaded_and_pinned_at_run_time_reaches_the_workers(
     assert info["late"].pinned and info["late"].on_device
     engine.remove_lora("late")
     assert "late" not in {i.name for i in engine.list_loras()}
+
+
+def test_an_adapter_whose_directory_went_after_it_was_added_serves_on_every_rank(
+    tp_engine: tuple[str, EngineCore],
+    adapters: dict[str, dict[str, Path]],
+    peft_models: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The workers got rank 0's host copy with the add: nothing is read when it first takes a
+    slot, so its directory deleted after the add changes nothing (the engine stays alive)."""
+    model, engine = tp_engine
+    assert isinstance(engine.runner, MultiprocExecutor)
+    deaths: list[str] = []  # (without the fix a worker dies: keep this process alive)
+    monkeypatch.setattr(engine.runner, "on_worker_death", deaths.append)
+    monkeypatch.setattr(multiproc, "exit_engine", deaths.append)
+    copy = shutil.copytree(adapters[model]["late"], tmp_path / "late-copy")
+    engine.add_lora("gone", engine.read_lora(str(copy)))
+    shutil.rmtree(copy)
+    names: list[str | None] = ["gone", None, "gone"]
+    prompts = _prompts(len(names), seed=13)
+    got, _ = _run(engine, prompts, names, "gone")
+    peft = peft_models[model]
+    late = ["late" if n else None for n in names]  # the same weights as "gone"
+    want = [_reference(peft, p, n) for p, n in zip(prompts, late, strict=True)]
+    assert got == want
+    assert got[0] != _reference(peft, prompts[0], None)
+    assert not deaths and all(p.is_alive() for p in engine.runner._procs)
+    engine.remove_lora("gone")
 
 
 def test_the_config_takes_lora_with_tensor_parallelism() -> None:
