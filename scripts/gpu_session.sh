@@ -30,8 +30,8 @@
 #              per thread block, the rule's choice beside the fastest -> $OUT/kernels_decode_sweep.json
 #   ab         the engine A/B in one call: the tree in .ab_base (carried) against this one, the
 #              throughput workload (2 rounds) and the step anatomy at batch 1/256 -> $OUT/ab_*.json
-#   spec       benchmarks/spec_decode.py: n-gram speculative decoding (k=4) against none, batch
-#              1/16/64 -> $OUT/spec_decode_cuda.json
+#   spec       benchmarks/spec_decode.py: n-gram and draft-model speculative decoding (k=4)
+#              against none, batch 1/16/64 -> $OUT/spec_decode_cuda.json
 #   relay      benchmarks/gateway_relay.py (16 cores: the gateway-relay issue's targets) ->
 #              $OUT/gateway_relay_h200.json; ~6 minutes: give it a call of its own
 # Needs the wheels of scripts/gpu_wheels.sh in .whl (carried). Python there is 3.12 with torch,
@@ -106,14 +106,16 @@ for phase in "$@"; do
       fi
       ;;
     spec)
-      # Speculative decoding (issue 34): n-gram k=4 against none on the Qwen3-0.6B shape, batch
-      # 1/16/64, outputs checked equal -> $OUT/spec_decode_cuda.json
+      # Speculative decoding (issue 34): n-gram and a quarter-layer draft model, k=4, against
+      # none on the Qwen3-0.6B shape, batch 1/16/64, outputs checked equal; verification steps
+      # replay the decode graphs (one row per token) -> $OUT/spec_decode_cuda.json
       if [[ "${DRY_RUN:-0}" == 1 ]]; then
         timeout 120 python3 benchmarks/spec_decode.py --batch 1 2 --max-tokens 16 --rounds 1 \
-          --out "$OUT/spec_decode_cuda.json" 2>&1 | quiet 10
+          --systems none ngram draft --out "$OUT/spec_decode_cuda.json" 2>&1 | quiet 10
       else
-        timeout 150 python3 benchmarks/spec_decode.py --device cuda --dtype bfloat16 \
-          --shape qwen3-0.6b --batch 1 16 64 --out "$OUT/spec_decode_cuda.json" 2>&1 | quiet 10
+        timeout 240 python3 benchmarks/spec_decode.py --device cuda --dtype bfloat16 \
+          --shape qwen3-0.6b --batch 1 16 64 --systems none ngram draft \
+          --out "$OUT/spec_decode_cuda.json" 2>&1 | quiet 14
       fi
       ;;
     ab)

@@ -65,6 +65,15 @@ _CPU_DEFAULT_KV_BYTES = 512 * 2**20
 _WHERE = {1: "kept in host memory", 2: "dropped (read again from the checkpoint on wake up)"}
 
 
+def decode_rows(config: EngineConfig) -> int:
+    """Rows a decode-only step may have: one per request, or with speculative decoding one per
+    token of a verification step (each request's last token and its k proposals, attended as
+    decode rows: ``step_inputs``), which the decode kernels, buffers and graphs are sized for."""
+    n = config.scheduler.max_num_seqs
+    spec = config.speculative
+    return n if spec is None else n * (1 + spec.num_speculative_tokens)
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
@@ -129,12 +138,10 @@ class ModelRunner:
         # On by default on CUDA; on the CPU padding only costs, so it is off (tests turn it on).
         pad = config.pad_decode_batches
         self.pad_decodes = self.device.type == "cuda" if pad is None else pad
-        self.buckets = graph_sizes(sched.max_num_seqs, config.cuda_graph_sizes)
+        rows = decode_rows(config)
+        self.buckets = graph_sizes(rows, config.cuda_graph_sizes)
         self.buffers = StepBuffers(
-            max(sched.max_num_batched_tokens, sched.max_num_seqs),
-            sched.max_num_seqs,
-            max_blocks,
-            self.device,
+            max(sched.max_num_batched_tokens, rows), rows, max_blocks, self.device
         )
         logger.info(
             "model loaded on %s (%s); KV cache: %d blocks x %d tokens",
@@ -221,7 +228,7 @@ class ModelRunner:
             plan.num_heads,
             plan.num_kv_heads,
             self.max_model_len,
-            self.config.scheduler.max_num_seqs,
+            decode_rows(self.config),
         )
         kernels = select_kernels(
             self.config.attention_backend,
@@ -330,6 +337,7 @@ class ModelRunner:
             self.buffers,
             self.block_size,
             self.buckets if self.pad_decodes else None,
+            verifies=bool(spec),  # a verification step is attended (and replayed) as decodes
         )
         lora = self._lora_mapping(step.token_lora)
         pooling = self.input_batch.is_pooling[step.rows]

@@ -12,6 +12,20 @@ A step of decodes only may be padded to a size bucket (the CUDA graph sizes): pa
 token 0 at position 0 over a one-token context (slot 0 of block 0, whoever holds it), and write
 nowhere (slot -1); their outputs are never used.
 
+A verification step (speculative decoding: every request computes its last token and its ``k``
+proposals, ``1 + k`` tokens, and no prefill chunk is in the step) is attended as decodes: each of
+its tokens is a row of its own over its request's block table, its context ending at itself, so
+the attention is causal within the request as a chunk's would be, and the step is decode-only
+(the same kernel per token as without speculation, and a captured CUDA graph of that many rows
+replays it)::
+
+    request     r0 (decode)    r1 (1 + 2 proposals, after 40 tokens)
+    tokens      [a]            [b    d1   d2]
+    rows        r0             r1   r1   r1          (block table of each: its request's)
+    seq_lens    18             41   42   43
+
+The requests' own bookkeeping (``batch``, ``rows``, ``last_index``) stays per request.
+
 Within the decodes (and within the chunks), requests are grouped by LoRA adapter, so the tokens
 of one adapter form runs the batched LoRA op slices in place; ``token_lora`` gives each token's
 adapter id (0: none, padding included), None when no request of the step has one.
@@ -219,11 +233,14 @@ def build_step(
     buffers: StepBuffers,
     block_size: int,
     buckets: list[int] | None,
+    verifies: bool = False,
 ) -> StepInputs:
     """Flatten this step's scheduled requests into model inputs (see the module docstring).
 
     ``buckets``: pad a decode-only step to the next bucket size (None: never pad; a step larger
-    than the largest bucket is not padded).
+    than the largest bucket is not padded). ``verifies``: some request verifies proposals; a
+    step of decodes and verifications only (that fits the buffers' rows) is then attended as
+    one decode row per token.
     """
     # decodes first, then by adapter (runs for the LoRA op); stable otherwise
     ordered = sorted(scheduled, key=lambda s: (s.num_tokens != 1, s.request.lora_id))
@@ -245,14 +262,23 @@ def build_step(
     token_lora = req_lora[req_of] if req_lora.any() else None
     seq_lens = (computed + num_new).astype(np.int32)
     max_blocks = int(batch.num_blocks[rows].max())
+    last_index = cu[1:] - 1
 
-    size = num_reqs
-    if buckets is not None and num_decodes == num_reqs:
-        size = next((b for b in buckets if b >= num_reqs), num_reqs)
-    padded = size - num_reqs
+    # The attention's rows: the requests, or one per token for a verification step.
+    attn_rows, attn_cu = rows, cu
+    if verifies and total <= buffers.max_reqs and _decodes_and_verifications(ordered):
+        attn_rows, attn_cu = token_rows, np.arange(total + 1, dtype=np.int64)
+        seq_lens = (pos + 1).astype(np.int32)
+        num_decodes = total
+    num_rows = len(attn_rows)
+
+    size = num_rows
+    if buckets is not None and num_decodes == num_rows:
+        size = next((b for b in buckets if b >= num_rows), num_rows)
+    padded = size - num_rows
 
     if padded:
-        cu = np.concatenate([cu, total + np.arange(1, padded + 1)])
+        attn_cu = np.concatenate([attn_cu, total + np.arange(1, padded + 1)])
         seq_lens = np.concatenate([seq_lens, np.ones(padded, np.int32)])
         if token_lora is not None:
             token_lora = np.concatenate([token_lora, np.zeros(padded, np.int64)])
@@ -266,25 +292,30 @@ def build_step(
     np.multiply(blocks, block_size, out=slots, dtype=np.int64)
     slots += pos % block_size
     h["seq_lens"][:] = seq_lens
-    h["query_start_loc"][:] = cu
-    h["block_tables"][:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
+    h["query_start_loc"][:] = attn_cu
+    h["block_tables"][:num_rows, :max_blocks] = batch.block_table[attn_rows, :max_blocks]
     if padded:
         h["input_ids"][total:] = 0
         h["positions"][total:] = 0
         h["slot_mapping"][total:] = -1  # written nowhere
-        h["block_tables"][num_reqs:size, 0] = 0  # read, never written
+        h["block_tables"][num_rows:size, 0] = 0  # read, never written
         num_decodes = size
     buffers.commit(num_tokens, size)
 
     views = buffers.views(num_tokens, size)
-    meta = views.metadata(num_decodes, seq_lens.tolist(), cu.tolist())
+    meta = views.metadata(num_decodes, seq_lens.tolist(), attn_cu.tolist())
     return StepInputs(
         input_ids=views.input_ids,
         positions=views.positions,
         meta=meta,
         batch=ordered,
         rows=rows,
-        last_index=cu[1 : num_reqs + 1] - 1,
+        last_index=last_index,
         num_padded_reqs=padded,
         token_lora=token_lora,
     )
+
+
+def _decodes_and_verifications(ordered: list[ScheduledRequest]) -> bool:
+    """Every request computes its last token and its proposals only (no prefill chunk)."""
+    return all(s.num_tokens == 1 + len(s.spec_token_ids) for s in ordered)

@@ -264,3 +264,53 @@ def test_graph_sizes_all_above_max_num_seqs_capture_nothing_and_say_so(
     assert "no --cuda-graph-sizes value is at most max_num_seqs (6)" in caplog.text
     prompts = _prompts([3, 5], 10)
     assert _greedy(llm, prompts) == _greedy(_llm(tiny_models["llama"]), prompts)
+
+
+def test_verification_steps_are_decode_rows_and_replay_the_graphs(
+    tiny_models: dict[str, Path], fake_capture: FakeCapture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With speculation, a step of decodes and verifications is attended one row per token (each
+    over its request's block table, its context ending at itself), padded to a graph size and
+    replayed; the tokens are those of eager steps without speculation, and transformers'."""
+    model_dir = tiny_models["llama"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = _llm(model_dir, pad_decode_batches=True, speculative_config=spec, num_kv_blocks=80)
+    runner = llm.engine.runner
+    assert runner.buckets[-1] == 6 * 4  # max_num_seqs rows of 1 + 3 tokens
+    steps: list[StepInputs] = []
+    computed: list[list[int]] = []  # each step's requests' computed tokens, as it was built
+    build = model_runner.build_step
+
+    def spy(*args: object, **kwargs: object) -> StepInputs:
+        steps.append(build(*args, **kwargs))  # type: ignore[arg-type]
+        computed.append([r.request.num_computed_tokens for r in steps[-1].batch])
+        return steps[-1]
+
+    monkeypatch.setattr(model_runner, "build_step", spy)
+    rng = random.Random(7)
+    spans = [[rng.randrange(4, 300) for _ in range(rng.randint(3, 6))] for _ in range(4)]
+    prompts = [s * 4 for s in spans]  # repeated spans: the n-gram proposer finds them
+    replays_at_start = fake_capture.replays
+    got = _greedy(llm, prompts, 20)
+    verifying = [
+        (s, c)
+        for s, c in zip(steps, computed, strict=True)
+        if any(r.spec_token_ids for r in s.batch)
+    ]
+    assert verifying and all(s.decode_only for s, _ in verifying)
+    replayed = fake_capture.replays - replays_at_start
+    assert replayed >= len(verifying)  # each (at most the largest graph's rows) replayed
+    for step, starts in verifying:
+        meta, num_tokens = step.meta, sum(r.num_tokens for r in step.batch)
+        assert meta.num_reqs == meta.num_tokens >= num_tokens  # one row per token (padded)
+        at = 0
+        for r, last, start in zip(step.batch, step.last_index.tolist(), starts, strict=True):
+            assert meta.seq_lens_cpu[at : at + r.num_tokens] == list(
+                range(start + 1, start + r.num_tokens + 1)
+            )
+            assert last == at + r.num_tokens - 1
+            at += r.num_tokens
+    plain = _greedy(_llm(model_dir, pad_decode_batches=False, num_kv_blocks=80), prompts, 20)
+    assert got == plain
+    hf = load_hf(model_dir)
+    assert got == [hf_greedy(hf, p, 20, stop_at_eos=False) for p in prompts]
