@@ -265,3 +265,44 @@ def test_lora_requests_speculate_with_their_adapter(
         outs[label] = [o.outputs[0].token_ids for o in got]
     assert outs["spec"] == outs["plain"]
     assert accepted > 0
+
+
+def test_n_completions_speculate_each_on_their_own(tiny_models: dict[str, Path]) -> None:
+    """n > 1: each completion is a request of its own with its own proposals. Greedy ones equal
+    the output without speculation; seeded sampled ones repeat with the seed and stay apart from
+    one another; both speculate (drafts made)."""
+    from engine_svc.entrypoints.llm import LLM
+
+    spec = LLM(
+        str(tiny_models["llama"]),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    )
+    plain = LLM(str(tiny_models["llama"]))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(6, 3)]
+    drafts = [0]
+    step = spec.engine.step
+
+    def counted() -> object:
+        out = step()
+        drafts[0] += out.stats.spec_num_drafts
+        return out
+
+    spec.engine.step = counted  # type: ignore[method-assign]
+
+    def run(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+        drafts[0] = 0
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+    greedy = SamplingParams(n=3, max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = run(spec, greedy)
+    assert drafts[0] > 0
+    assert got == run(plain, greedy)
+    assert all(len(completions) == 3 for completions in got)
+    sampled = SamplingParams(
+        n=3, max_tokens=24, temperature=0.7, top_k=20, seed=11, ignore_eos=True
+    )
+    first = run(spec, sampled)
+    assert drafts[0] > 0  # a random model's samples repeat rarely: few, but some
+    assert run(spec, sampled) == first
+    assert all(len({tuple(c) for c in completions}) > 1 for completions in first)
