@@ -345,12 +345,6 @@ def main(argv: list[str] | None = None) -> None:
             if args.speculative_config is None
             else parse_speculative_config(args.speculative_config)
         )
-        executor = args.tensor_parallel_size > 1 or args.distributed_executor_backend == "mp"
-        if speculative is not None and executor:
-            raise ValueError(
-                "--speculative-config does not run with --tensor-parallel-size (or "
-                "--distributed-executor-backend mp) yet"
-            )
         if args.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"

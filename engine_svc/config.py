@@ -135,12 +135,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        executor = self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
-        if self.speculative is not None and executor:
-            raise ValueError(
-                "speculative decoding does not run with tensor parallelism (or the 'mp' "
-                "executor) yet"
-            )
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):

@@ -112,16 +112,16 @@ class EngineCore:
             self.info.eos_token_ids,
         )
         self.profiler = EngineProfiler(config.profile_dir, self.runner.device)
-        # Speculative decoding: proposals for the next step, made after each update: n-gram,
-        # or the runner's draft model (which caught up with the step inside it).
+        # Speculative decoding: proposals for the next step, made after each update on rank 0
+        # (the in-process runner, or the executor's rank 0: the step message takes them to the
+        # workers): n-gram, or rank 0's draft model (which caught up with the step inside it).
         self.proposer: NgramProposer | DraftModel | None = None
+        self._rank0 = self.runner if isinstance(self.runner, ModelRunner) else self.runner.rank0
         if spec is not None:
-            # (the config refuses speculation with tensor parallelism: the runner is in process)
-            assert isinstance(self.runner, ModelRunner)
             if isinstance(spec, NgramConfig):
                 self.proposer = NgramProposer(spec, max_len, envs.cache_dir() / "kernels")
             else:
-                self.proposer = self.runner.draft
+                self.proposer = self._rank0.draft
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -342,13 +342,12 @@ class EngineCore:
     def _propose(self, touched: list[Request]) -> None:
         """Proposals for the next step of the requests that got tokens and go on: the draft
         model's (``spec_decode.draft_model``), or n-gram ones read from the persistent batch's
-        token array (``spec_decode.ngram``)."""
+        token array (``spec_decode.ngram``): rank 0's, whose tokens are the step's."""
         assert self.proposer is not None
         ready = [r for r in touched if not r.is_finished and eligible(r)]
         if not ready:
             return
-        runner = self.runner
-        assert isinstance(runner, ModelRunner)  # in process (see __init__)
+        runner = self._rank0
         batch = runner.input_batch
         if isinstance(self.proposer, DraftModel):
             drafted = self.proposer.propose(ready, batch, runner.generators)

@@ -10,8 +10,12 @@ collectives keeping the ranks together::
                                                              ├─ pipe ─► worker N-1: execute
                                                              └────────► rank 0: execute ─► out
 
-The KV cache has the same number of blocks on every rank (the smallest any rank fits). A
-worker that dies is fatal: rank 0 would wait in a collective forever, so a watchdog thread
+The KV cache has the same number of blocks on every rank (the smallest any rank fits). With
+speculative decoding rank 0 proposes (and holds the draft model, whose KV it alone counts per
+block); each row's proposals go to the workers with the step, and rank 0's verification is the
+step's (``step_message``, ``worker_proc``).
+
+A worker that dies is fatal: rank 0 would wait in a collective forever, so a watchdog thread
 kills the other workers and hands a message naming the worker to ``on_worker_death``. By
 default that ends the engine process at once (exit code 1); the gRPC server's handler first
 reports NOT_SERVING and ends the open calls with the message, and the engine process ends
@@ -204,7 +208,7 @@ class MultiprocExecutor:
         self._on_every_rank(("wake", None), self.rank0.wake_up)
 
     def kv_cache_nbytes(self) -> int:
-        """Rank 0's KV cache (each rank holds as much)."""
+        """Rank 0's KV cache (each rank holds as much, but for a draft model's: rank 0's)."""
         return self.rank0.kv_cache_nbytes()
 
     def _on_every_rank(self, command: tuple[str, object], local: Callable[[], None]) -> None:

@@ -10,7 +10,8 @@ message with what changed since the worker last heard of it::
                                                                    SchedulerOutput (mirrors)
 
     admitted request     a copy of the whole request (no grammar matcher)
-    running request      its num_computed_tokens, and the output tokens rank 0 appended since
+    running request      its num_computed_tokens, and the output tokens rank 0 appended since;
+                         the proposals it verifies this step (speculative decoding)
     finished/preempted   ids: the mirror is dropped (a preempted request comes back admitted)
 
 Every rank must make the same collective calls in the same order, so a worker's runner must
@@ -20,6 +21,13 @@ tokens come with the next message and are what a worker feeds its model (``worke
 structured-output request's grammar matcher stays with the scheduler: rank 0 masks and samples,
 a worker's mirror has no grammar (its unmasked sample is replaced by rank 0's token before the
 model sees it), and the grammar decides nothing a collective depends on.
+
+Speculative decoding: the proposals are made on rank 0 only (n-gram, or its draft model); each
+running row's come with the step (``ScheduledRequest.spec_token_ids`` on the worker too), so
+every rank computes the same ``1 + k`` verification tokens. Rank 0's verification decides what
+a row emits; a worker's may emit another number of tokens (a sampled row: its draws and its
+draft's q are not rank 0's), and the next message's new output tokens replace them, count and
+all (``worker_proc``).
 
 LoRA: a mirror keeps its request's adapter id (``lora_id``), and the message brings what rank
 0's adapter slots hold whenever that changed (``lora``: each slot's adapter id and directory,
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_svc.core.request import Request
 from engine_svc.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -61,6 +69,8 @@ class StepMessage:
         new_counts -> new_tokens                output tokens rank 0 appended since the last
                                                 message, concatenated
         block_counts -> block_ids               blocks allocated this step, concatenated
+        spec_counts -> spec_tokens              the proposals each row verifies this step,
+                                                concatenated (both empty when no row has any)
         lora                                    rank 0's LoRA slots, when they changed
     """
 
@@ -77,6 +87,8 @@ class StepMessage:
     preempted_ids: list[str]
     finished_ids: list[str]
     lora: Placement | None = None  # None: the slots hold what they held at the last message
+    spec_counts: list[int] = field(default_factory=list)  # [] or one entry per running row
+    spec_tokens: list[int] = field(default_factory=list)
 
     def new_token_runs(self) -> Iterator[tuple[str, list[int]]]:
         """(request id, the output tokens rank 0 appended since the last message) of each
@@ -109,11 +121,14 @@ class StepEncoder:
         new_tokens: list[int] = []
         block_counts: list[int] = []
         block_ids: list[int] = []
+        spec_counts: list[int] = []
+        spec_tokens: list[int] = []
         for s in so.scheduled:
             req = s.request
             rid = req.request_id
             outputs = req.output_token_ids
             if s.admitted:
+                assert not s.spec_token_ids, "an admitted row verifies no proposals"
                 flags.append(1)
                 admitted.append(ScheduledDelta(rid, s.num_tokens, s.block_ids, _snapshot(req)))
             else:
@@ -128,13 +143,16 @@ class StepEncoder:
                 block_counts.append(len(s.block_ids))
                 if s.block_ids:
                     block_ids += s.block_ids
+                spec_counts.append(len(s.spec_token_ids))
+                if s.spec_token_ids:
+                    spec_tokens += s.spec_token_ids
             known[rid] = len(outputs)
         changed = lora if lora != self._lora else None
         self._lora = lora
         return StepMessage(
             admitted, bytes(flags), ids, num_tokens, computed, new_counts, new_tokens,
             block_counts, block_ids, so.num_batched_tokens, list(so.preempted_ids),
-            list(so.finished_ids), changed,
+            list(so.finished_ids), changed, spec_counts if spec_tokens else [], spec_tokens,
         )  # fmt: skip
 
 
@@ -160,7 +178,8 @@ class RequestMirrors:
             requests.pop(rid, None)
         scheduled = []
         admitted = iter(msg.admitted)
-        row = tok = blk = 0
+        row = tok = blk = at = 0
+        spec_counts = msg.spec_counts
         for flag in msg.is_admitted:
             if flag:
                 d = next(admitted)
@@ -175,9 +194,11 @@ class RequestMirrors:
                 tok += n
             req.num_computed_tokens = msg.num_computed[row]
             nb = msg.block_counts[row]
-            scheduled.append(
-                ScheduledRequest(req, msg.num_tokens[row], False, msg.block_ids[blk : blk + nb])
-            )
+            s = ScheduledRequest(req, msg.num_tokens[row], False, msg.block_ids[blk : blk + nb])
+            if spec_counts and (ns := spec_counts[row]):
+                s.spec_token_ids = msg.spec_tokens[at : at + ns]
+                at += ns
+            scheduled.append(s)
             blk += nb
             row += 1
         return SchedulerOutput(

@@ -31,6 +31,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+import numpy as np
 import torch
 
 from engine_svc.config import EngineConfig
@@ -138,25 +139,41 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
 
 
 def _take_rank0_tokens(batch: InputBatch, msg: StepMessage, mirrors: RequestMirrors) -> None:
-    """Rank 0 samples. This rank's runner sampled too, from the same gathered logits and alike
-    seeded random state, so its tokens are rank 0's; in case one is not (this rank could not
-    apply what rank 0 did, or its random state drifted), rank 0's tokens, which this step's
-    message brings, replace them before any is fed to the model::
+    """Rank 0 samples (and verifies proposals). This rank's runner did too, from the same
+    gathered logits, so its tokens are mostly rank 0's; where they are not (this rank could not
+    apply what rank 0 did: a grammar's mask, a draft model's q; or its random state drifted: rank
+    0's draft draws from a seeded request's generator), rank 0's tokens, which this step's
+    message brings, replace them before any is fed to the model. After a verification the two
+    may differ in number too (rank 0 accepted 3 proposals, this rank 1): the row takes rank 0's
+    count::
 
-        batch.token_ids[row]   prompt ... | sampled by this rank at earlier steps |
-                                            └─ overwritten with msg's new_token_ids
+        batch.token_ids[row]   prompt ... | known to both | emitted by this rank |
+                                                          start                  n
+        becomes                prompt ... | known to both | msg's new tokens |
+                                                          start              num_tokens (rank 0's)
+
+    A row with penalties whose tokens changed counts its output again from the mirror (what
+    rank 0's row holds). Every collective's shape comes from the message, never from these
+    tokens, so a worker's own draws change nothing rank 0 waits on.
     """
     for rid, tokens in msg.new_token_runs():
         row = batch.row_of.get(rid)
         if row is None:
             continue
+        request = mirrors.requests[rid]
+        end = request.num_tokens
+        start = end - len(tokens)
         n = int(batch.num_tokens[row])
-        if n != mirrors.requests[rid].num_tokens:
-            raise RuntimeError(
-                f"request {rid}: this rank holds {n} tokens, rank 0 "
-                f"{mirrors.requests[rid].num_tokens}"
-            )
-        batch.token_ids[row, n - len(tokens) : n] = tokens
+        if n <= start:  # this rank emitted nothing where rank 0 did: out of step
+            raise RuntimeError(f"request {rid}: this rank holds {n} tokens, rank 0 {end}")
+        stale = bool(batch.has_penalty[row]) and (
+            n != end or not np.array_equal(batch.token_ids[row, start:end], tokens)
+        )
+        batch.token_ids[row, start:end] = tokens
+        batch.num_tokens[row] = end
+        if stale:  # its device-side counts are of this rank's tokens
+            with torch.inference_mode():  # (the runner made them inside it)
+                batch.count_penalties(row, request)
 
 
 def _exit_with_parent(parent_pid: int, init_method: str) -> None:

@@ -107,7 +107,7 @@ class InputBatch:
         self.is_pooling[row] = request.is_pooling
         self.lora_id[row] = request.lora_id
         if p.has_penalties:
-            self._init_penalties(row, request)
+            self.count_penalties(row, request)
         self.has_allowed[row] = p.allowed_token_ids is not None
         if p.allowed_token_ids is not None:
             self._init_allowed(row, p.allowed_token_ids)
@@ -213,7 +213,10 @@ class InputBatch:
         mask[upload(np.asarray(token_ids, dtype=np.int64), self.device)] = True
 
     # ------------------------------------------------------------------ penalties
-    def _init_penalties(self, row: int, request: Request) -> None:
+    def count_penalties(self, row: int, request: Request) -> None:
+        """Row ``row``'s penalty state from ``request``'s tokens: its output counts and the
+        tokens seen in prompt and output (on admission, and on a tensor-parallel worker whose
+        row took rank 0's tokens)."""
         if self.output_counts is None:
             shape = (self.max_rows, self.vocab_size)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)

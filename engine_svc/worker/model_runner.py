@@ -116,9 +116,10 @@ class ModelRunner:
             self.lora = LoRAManager(config.lora, dims, self.dtype, self.device, plan)
             self.model.attach_lora(self.lora.weights)
         # A draft model proposer (spec_decode.draft_model): loaded before the KV cache is
-        # sized, its per-block KV counted with the target's.
+        # sized, its per-block KV counted with the target's. Rank 0 proposes: a tensor-
+        # parallel worker verifies the proposals its step message brings, and holds no draft.
         self.draft: DraftModel | None = None
-        if isinstance(config.speculative, DraftModelConfig):
+        if isinstance(config.speculative, DraftModelConfig) and tp.is_first:
             self.draft = DraftModel(
                 config.speculative, self.spec, self.dtype, self.device, max_model_len,
                 self.block_size, config.attention_backend, config.scheduler.max_num_seqs,

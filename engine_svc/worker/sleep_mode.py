@@ -63,7 +63,8 @@ class SleepingWeights:
                 s.tensor.data = s.host.to(self.device, non_blocking=True)
         if reload:
             with torch.no_grad():
-                tp_size = model.plan.tp.size  # type: ignore[union-attr]  # a sharded model: its slices
+                tp_size: int = model.plan.tp.size  # type: ignore[union-attr,assignment]
+                # a sharded model reads its slices only
                 model.load_weights(checkpoint_tensors(checkpoint, tp_size))  # type: ignore[operator]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the host copies may go once this returns

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from engine_svc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_svc.core.request import Logprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.engine_core import EngineCore
 from engine_svc.spec_decode.ngram import NgramConfig
@@ -46,16 +47,26 @@ def _prompts(seed: int, n: int, prefix: list[int] = []) -> list[list[int]]:  # n
     return out
 
 
+class Counted(NamedTuple):
+    """A run's outputs by request (in the order given) and its totals."""
+
+    tokens: list[list[int]]
+    reasons: list[object]  # finish reasons
+    chunks: list[list[int]]  # tokens per output, in order
+    logprobs: list[list[Logprobs | None]]
+    totals: dict[str, int]  # steps, speculation counters, preemptions, prefix hits
+
+
 def run_counted(
     engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
-) -> tuple[list[list[int]], list[object], list[list[int]], dict[str, int]]:
-    """Each request's tokens, finish reason and tokens per output (in order), and the run's
-    step, speculation, preemption and prefix-hit totals."""
+) -> Counted:
+    """Add one request per prompt, step the engine to the end, and count."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p, sp in zip(ids, prompts, params, strict=True):
         engine.add_request(rid, p, sp)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     chunks: dict[str, list[int]] = {rid: [] for rid in ids}
+    lps: dict[str, list[Logprobs | None]] = {rid: [] for rid in ids}
     reasons: dict[str, object] = {}
     totals = dict(steps=0, drafts=0, proposed=0, accepted=0, preemptions=0, hits=0)
     while engine.has_unfinished_requests():
@@ -64,6 +75,7 @@ def run_counted(
         for o in step.outputs:
             tokens[o.request_id].extend(o.new_token_ids)
             chunks[o.request_id].append(len(o.new_token_ids))
+            lps[o.request_id].extend(o.new_logprobs)
             if o.finish_reason is not None:
                 reasons[o.request_id] = o.finish_reason
         s = step.stats
@@ -72,12 +84,18 @@ def run_counted(
         totals["accepted"] += s.spec_num_accepted_tokens
         totals["preemptions"] += s.num_preemptions
         totals["hits"] += s.prefix_cache_hits
-    return [tokens[r] for r in ids], [reasons[r] for r in ids], [chunks[r] for r in ids], totals
+    return Counted(
+        [tokens[r] for r in ids],
+        [reasons[r] for r in ids],
+        [chunks[r] for r in ids],
+        [lps[r] for r in ids],
+        totals,
+    )
 
 
 def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> tuple:
-    tokens, reasons, _, totals = run_counted(engine, prompts, params)
-    return tokens, reasons, totals
+    run = run_counted(engine, prompts, params)
+    return run.tokens, run.reasons, run.totals
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

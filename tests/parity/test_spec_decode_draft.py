@@ -7,8 +7,8 @@ chunked prefill, prefix-cache hits and preemption (each asserted to happen); a d
 the target has every proposal accepted (k + 1 tokens per verification step); sampled tokens
 follow the target's distribution (chi-square against the exact distribution) and seeded
 requests repeat themselves; aborts and preemption return every KV block; the scheduler's
-lookahead slots; the KV budget counts both caches; refusals (another vocabulary, tensor
-parallelism, bad keys)."""
+lookahead slots; the KV budget counts both caches; refusals (another vocabulary, bad keys).
+With tensor parallelism: ``test_tp_spec_decode.py``."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def _prompts(seed: int, n: int, prefix: list[int] = []) -> list[list[int]]:  # n
 
 
 def _run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> tuple:
-    tokens, _, chunks, totals = run_counted(engine, prompts, params)
-    return tokens, chunks, totals
+    run = run_counted(engine, prompts, params)
+    return run.tokens, run.chunks, run.totals
 
 
 @pytest.mark.parametrize("which", ["itself", "quarter"])
@@ -295,12 +295,6 @@ def test_refusals(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     other = build_tiny_checkpoint(tmp_path / "other_vocab", "LlamaForCausalLM", vocab_size=512)
     with pytest.raises(ValueError, match="vocab_size 512.*384"):
         _engine(target, other)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(
-            model=ModelConfig(str(target)),
-            tensor_parallel_size=2,
-            speculative=DraftModelConfig(str(target), 2),
-        )
     for bad, message in [
         ('{"model": "/m/d", "num_speculative_tokens": 2, "draft_x": 1}', "unknown keys"),
         ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),

@@ -69,6 +69,7 @@ def test_trust_remote_code_is_refused_in_one_line() -> None:
 
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 2}'
+EAGLE = '{"method": "eagle", "model": "/m/d", "num_speculative_tokens": 2}'
 
 
 @pytest.mark.parametrize(
@@ -77,10 +78,11 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 2}'
         (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory: cannot parse memory size"),
         (["--chat-template", "no/such/template.jinja"], "--chat-template 'no/such/template"),
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
-        (["-tp", "2", "--speculative-config", NGRAM], "--speculative-config does not run with"),
+        # Speculation runs with the executor: what is refused is the bad flag beside it.
+        (["-tp", "0", "--speculative-config", NGRAM], "--tensor-parallel-size must be at least 1"),
         (
-            ["--distributed-executor-backend", "mp", "--speculative-config", NGRAM],
-            "--speculative-config does not run with",
+            ["--distributed-executor-backend", "mp", "--speculative-config", EAGLE],
+            "--speculative-config method 'eagle' is not supported",
         ),
         (
             ["-tp", "2", "--distributed-executor-backend", "uni"],
